@@ -1,0 +1,169 @@
+// xent: vocab-parallel cross-entropy for tensor-parallel LLMs.
+//
+// Every rank holds the logits of its slice of the vocabulary. forward() computes per-row softmax
+// statistics on this rank, all-gathers those few numbers per row over the Group, and writes the
+// exact global loss (and, in fused mode, the gradient in place of the logits). Like NCCL, every
+// call takes its group and stream explicitly and never synchronises the host behind the caller.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+typedef struct ncclComm* ncclComm_t;  // as nccl.h declares it; the header stays NCCL-free
+
+namespace xent {
+
+// Host-side misuse: the message names the argument, the value and the rule.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class Backend { cpu, cuda };
+enum class DType { f32, bf16, f16 };
+enum class IndexType { i32, i64 };
+enum class Reduction { none, mean, sum };
+// fused: forward writes the gradient (for grad_output = 1) into the logits buffer, and backward
+//        only rescales by grad_output where it is not 1.
+// deferred: forward leaves the logits untouched; backward reads them once and writes the
+//        gradient once, grad_output applied before the single rounding to the logits' dtype.
+// none: forward only, no gradient.
+enum class GradMode { fused, deferred, none };
+
+const char* to_string(Backend);
+const char* to_string(DType);
+const char* to_string(Reduction);
+const char* to_string(GradMode);
+size_t dtype_size(DType);
+
+// This rank's logits shard: rows x cols elements, row r starting at data + r * row_stride.
+// Host memory for the CPU backend, device memory for CUDA. Not owned.
+struct LogitsView {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;  // in elements, >= cols
+};
+
+// One target class id per row (global vocabulary index), contiguous. Same on every rank.
+struct TargetsView {
+  const void* data = nullptr;
+  IndexType type = IndexType::i64;
+  int64_t rows = 0;
+};
+
+struct Options {
+  int64_t ignore_index = -100;       // rows with this target: loss 0, gradient 0
+  float label_smoothing = 0.0f;      // in [0, 1), uniform over the real vocab_size classes
+  float z_loss = 0.0f;               // weight w >= 0 of w * lse^2
+  float softcap = 0.0f;              // > 0: logits become c * tanh(x / c); 0: off
+  Reduction reduction = Reduction::mean;  // mean: over rows whose target is not ignore_index
+  GradMode grad_mode = GradMode::fused;
+  // Shard layout: this rank owns global columns [vocab_start, vocab_start + cols); columns at or
+  // past vocab_size are padding (treated as -inf, gradient 0). Use plan_shard() to fill them.
+  int64_t vocab_start = 0;
+  int64_t vocab_size = -1;  // -1: vocab_start + cols (a single rank with no padding)
+  bool compute_accuracy = false;     // fills Outputs::argmax / Outputs::accuracy
+};
+
+// Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.
+struct Outputs {
+  float* loss = nullptr;            // required: [1] for mean/sum, [rows] for none
+  float* lse = nullptr;             // [rows] global log-sum-exp; required for GradMode::deferred
+  float* z_loss = nullptr;          // [rows] optional: the z-loss term w * lse^2 of each row
+  int64_t* argmax = nullptr;        // [rows] optional: global argmax column (compute_accuracy)
+  float* accuracy = nullptr;        // [1] optional: share of non-ignored rows with argmax == target
+};
+
+// How stats records travel between ranks. Implementations: MPI (host memory), NCCL (device
+// memory, stream-ordered), or an adapter's own (e.g. a c10d ProcessGroup).
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Backend backend() const = 0;  // where the buffers of all_gather live
+  virtual int device() const { return -1; }
+  // recv[r * bytes, (r + 1) * bytes) = rank r's send; on `stream` for device buffers.
+  virtual void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) = 0;
+};
+
+struct Workspace;  // scratch owned by a Group: stats records and small reductions
+
+// A rank-aware handle: its communicator and its scratch. Cheap to copy (shared). Calls on one
+// Group must be ordered (one stream at a time), as with an NCCL communicator.
+class Group {
+ public:
+  // One rank, no communication at all; no MPI needed.
+  static Group local(Backend backend = Backend::cpu, int device = -1);
+  // CPU backend over MPI: records gathered with MPI_Allgather.
+  static Group host(MPI_Comm comm);
+  // NCCL communicator bootstrapped over MPI (ncclUniqueId broadcast from rank 0). device -1:
+  // the local rank (MPI_COMM_TYPE_SHARED) modulo the visible GPU count. Owns the communicator.
+  static Group from_mpi(MPI_Comm comm, int device = -1);
+  // Drives a communicator the caller already owns (not destroyed by xent).
+  static Group adopt(ncclComm_t comm, int device = -1);
+  static Group custom(std::shared_ptr<Communicator> comm);
+
+  int rank() const;
+  int size() const;
+  Backend backend() const;
+  int device() const;
+  Communicator& comm() const;
+  Workspace& workspace() const;
+  // Allocates the scratch for up to `rows` rows now, so that later calls (and CUDA graph
+  // capture) allocate nothing.
+  void reserve(int64_t rows, const Options& opt) const;
+  // CUDA backend: waits for `stream`, then throws xent::Error if a kernel since the last check
+  // saw a target outside [0, vocab_size) that is not ignore_index (those rows' loss is NaN).
+  // The CPU backend throws at once, so this is a no-op there.
+  void check_errors(cudaStream_t stream) const;
+
+  struct Impl;
+  explicit Group(std::shared_ptr<Impl> impl);
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+struct Shard {
+  int64_t start = 0;       // this rank's first global column
+  int64_t width = 0;       // this rank's columns, padding included
+  int64_t vocab_size = 0;  // real classes; columns at or past it are padding
+};
+
+// Collective: every rank passes its own width; returns this rank's start (the prefix sum of the
+// widths in rank order). vocab_size -1: the sum of all widths. Throws on every rank alike if the
+// widths cannot cover vocab_size. Synchronises (setup only).
+Shard plan_shard(const Group& group, int64_t width, int64_t vocab_size = -1);
+// Collective: checks that the ranks' shards tile [0, total width) in rank order, agree on
+// vocab_size, and that they agree on `rows`. Throws on every rank alike. Synchronises.
+void check_layout(const Group& group, const Shard& mine, int64_t rows);
+// Copies the shard into options.
+void apply(const Shard& shard, Options& opt);
+
+// Forward: loss (and lse, z-loss, accuracy as asked); in fused mode also the gradient of
+// sum-or-mean loss (grad_output = 1) in place of the logits. Stream-ordered, no host sync on CUDA.
+// The CPU backend checks the layout across ranks on every call (one small MPI_Allgather).
+void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
+             const Outputs& out, cudaStream_t stream = nullptr);
+
+// Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
+// fused: `logits` holds forward's gradient; rows are rescaled by grad_output where it is not 1
+//        (decided on the device). deferred: `logits` holds the logits; `lse` is forward's
+//        Outputs::lse; the gradient overwrites the logits. none: throws.
+void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
+              const float* grad_output, const Options& opt, cudaStream_t stream = nullptr);
+
+// Bytes of the per-row stats record exchanged for these options (the all-gather moves
+// rows * record_bytes * ranks).
+size_t record_bytes(const Options& opt);
+
+}  // namespace xent

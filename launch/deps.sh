@@ -1,0 +1,68 @@
+# Sourced by the README's commands (launch/bench.sh, launch/test.sh). Defines:
+#   xent_install_deps      installs what the build needs and is missing (Debian/Ubuntu, apt-get)
+#   xent_configure_build   configures and builds into build/ at the repository root
+# Set XENT_CUDA_ARCH to override the CUDA architecture (default: the GPU's, else 90).
+
+XENT_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+xent_say() { echo "[xent] $*"; }
+
+# Debian packages, each checked by a file it provides, so that nothing present is reinstalled.
+xent_missing_packages() {
+  local missing=()
+  command -v cmake >/dev/null || missing+=(cmake)
+  command -v g++ >/dev/null || missing+=(g++)
+  command -v mpirun >/dev/null || missing+=(openmpi-bin)
+  [ -e /usr/include/x86_64-linux-gnu/mpi/mpi.h ] || [ -e /usr/include/mpi.h ] ||
+    [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] || missing+=(libopenmpi-dev)
+  [ -e /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev libgmock-dev)
+  [ -e /usr/include/yaml-cpp/yaml.h ] || missing+=(libyaml-cpp-dev)
+  [ -e /usr/include/nlohmann/json.hpp ] || missing+=(nlohmann-json3-dev)
+  [ -e /usr/include/CLI/CLI.hpp ] || missing+=(libcli11-dev)
+  echo "${missing[@]}"
+}
+
+xent_install_deps() {
+  local missing
+  missing=$(xent_missing_packages)
+  if [ -n "$missing" ]; then
+    if [ "$(id -u)" -eq 0 ]; then
+      xent_say "installing missing Debian packages: $missing"
+      DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null || return 1
+    else
+      xent_say "missing packages: $missing"
+      xent_say "not root: install them with: sudo apt-get install -y $missing"
+      return 1
+    fi
+  else
+    xent_say "build dependencies present (cmake, g++, Open MPI, GoogleTest, yaml-cpp, nlohmann-json, CLI11)"
+  fi
+  if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+    xent_say "the CUDA toolkit (nvcc, with NCCL) is required: install CUDA 12.4+ from NVIDIA"
+    xent_say "(https://developer.nvidia.com/cuda-downloads) and NCCL (libnccl-dev), then retry"
+    return 1
+  fi
+}
+
+xent_cuda_arch() {
+  if [ -n "${XENT_CUDA_ARCH:-}" ]; then echo "$XENT_CUDA_ARCH"; return; fi
+  local cap
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d '.')
+  echo "${cap:-90}"
+}
+
+# xent_configure_build [extra cmake args...]
+xent_configure_build() {
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  local arch
+  arch=$(xent_cuda_arch)
+  xent_say "configuring build/ (CUDA architecture $arch)"
+  cmake -S "$XENT_ROOT" -B "$XENT_ROOT/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES="$arch" "$@" >"$XENT_ROOT/build.log" 2>&1 ||
+    { cat "$XENT_ROOT/build.log"; return 1; }
+  xent_say "building (log: build.log)"
+  cmake --build "$XENT_ROOT/build" -j "$(nproc)" >>"$XENT_ROOT/build.log" 2>&1 ||
+    { tail -n 60 "$XENT_ROOT/build.log"; return 1; }
+}

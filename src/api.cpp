@@ -1,0 +1,324 @@
+// The public API: validates on the host, then drives a backend's steps (backend.h) around one
+// all-gather of the stats records.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "comm/comm.h"
+#include "core/dtype.h"
+
+namespace xent {
+
+const char* to_string(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
+const char* to_string(DType d) {
+  switch (d) {
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    default: return "f32";
+  }
+}
+const char* to_string(Reduction r) {
+  switch (r) {
+    case Reduction::none: return "none";
+    case Reduction::sum: return "sum";
+    default: return "mean";
+  }
+}
+const char* to_string(GradMode m) {
+  switch (m) {
+    case GradMode::deferred: return "deferred";
+    case GradMode::none: return "none";
+    default: return "fused";
+  }
+}
+size_t dtype_size(DType d) { return d == DType::f32 ? 4 : 2; }
+
+size_t record_bytes(const Options& opt) {
+  return core::RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy)
+      .bytes_per_row();
+}
+
+// ---------------------------------------------------------------------------------- Workspace
+
+namespace {
+constexpr size_t kAlign = 256;
+size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+size_t Workspace::bytes_needed(int64_t rows, int fields, int ranks) {
+  const size_t r = static_cast<size_t>(rows);
+  const size_t record = aligned(sizeof(float) * fields * r);
+  return aligned(2 * sizeof(int64_t)) + aligned(sizeof(float) * kScalars) +
+         record * (ranks > 1 ? 1 + ranks : 1) + aligned(sizeof(float) * r);
+}
+
+Workspace::~Workspace() {
+  if (base == nullptr) return;
+  if (backend == Backend::cpu)
+    std::free(base);
+  else
+    cudaFree(base);
+}
+
+void Workspace::prepare(int64_t rows, int fields, int ranks) {
+  const size_t need = bytes_needed(rows, fields, ranks);
+  if (need > capacity) {
+    // Growth happens outside the hot path (Group::reserve sizes it up front).
+    if (backend == Backend::cpu) {
+      std::free(base);
+      base = std::aligned_alloc(kAlign, aligned(need));
+      if (base == nullptr) core::fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
+      std::memset(base, 0xff, 2 * sizeof(int64_t));  // error slot: -1, no bad target seen
+    } else {
+      if (base != nullptr) {  // kernels in flight may still use it
+        comm::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (workspace growth)");
+        comm::check_cuda(cudaFree(base), "cudaFree (workspace)");
+        base = nullptr;
+      }
+      comm::check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
+      comm::check_cuda(cudaMemset(base, 0xff, 2 * sizeof(int64_t)), "cudaMemset (error slot)");
+    }
+    capacity = need;
+  }
+  // The error slot and the scalars come first so that they stay put when rows change.
+  char* p = static_cast<char*>(base);
+  error = reinterpret_cast<int64_t*>(p);
+  p += aligned(2 * sizeof(int64_t));
+  scalars = reinterpret_cast<float*>(p);
+  p += aligned(sizeof(float) * kScalars);
+  const size_t record = aligned(sizeof(float) * fields * static_cast<size_t>(rows));
+  send = reinterpret_cast<float*>(p);
+  p += record;
+  recv = ranks > 1 ? reinterpret_cast<float*>(p) : send;  // one rank gathers nothing
+  if (ranks > 1) p += record * ranks;
+  lse = reinterpret_cast<float*>(p);
+}
+
+// -------------------------------------------------------------------------------------- Group
+
+struct Group::Impl {
+  std::shared_ptr<Communicator> comm;
+  Workspace ws;
+};
+
+Group::Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+namespace {
+Group make_group(std::shared_ptr<Communicator> comm) {
+  auto impl = std::make_shared<Group::Impl>();
+  impl->ws.backend = comm->backend();
+  impl->ws.device = comm->device();
+  impl->comm = std::move(comm);
+  return Group(impl);
+}
+}  // namespace
+
+Group Group::local(Backend backend, int device) {
+  if (backend == Backend::cuda) {
+    if (cuda::device_count() == 0) core::fail("Group::local(cuda): no CUDA device is visible");
+    if (device < 0) comm::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    comm::check_cuda(cudaSetDevice(device), "cudaSetDevice (Group::local)");
+  }
+  return make_group(comm::make_local(backend, device));
+}
+Group Group::host(MPI_Comm comm) { return make_group(comm::make_mpi(comm)); }
+Group Group::from_mpi(MPI_Comm comm, int device) {
+  return make_group(comm::make_nccl_from_mpi(comm, device));
+}
+Group Group::adopt(ncclComm_t comm, int device) {
+  return make_group(comm::make_nccl_adopted(comm, device));
+}
+Group Group::custom(std::shared_ptr<Communicator> comm) {
+  if (!comm) core::fail("Group::custom(comm = null): needs a communicator");
+  return make_group(std::move(comm));
+}
+
+int Group::rank() const { return impl_->comm->rank(); }
+int Group::size() const { return impl_->comm->size(); }
+Backend Group::backend() const { return impl_->comm->backend(); }
+int Group::device() const { return impl_->comm->device(); }
+Communicator& Group::comm() const { return *impl_->comm; }
+Workspace& Group::workspace() const { return impl_->ws; }
+
+void Group::reserve(int64_t rows, const Options& opt) const {
+  if (rows < 0) core::fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
+  impl_->ws.prepare(rows, static_cast<int>(record_bytes(opt) / sizeof(float)), size());
+}
+
+void Group::check_errors(cudaStream_t stream) const {
+  Workspace& ws = impl_->ws;
+  if (backend() == Backend::cpu || ws.error == nullptr) return;
+  comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_errors)");
+  int64_t bad[2];
+  comm::check_cuda(cudaMemcpy(bad, ws.error, sizeof bad, cudaMemcpyDeviceToHost),
+                   "cudaMemcpy (check_errors)");
+  if (bad[0] < 0) return;
+  comm::check_cuda(cudaMemset(ws.error, 0xff, sizeof bad), "cudaMemset (check_errors)");
+  core::fail("targets[" + std::to_string(bad[0]) + "] = " + std::to_string(bad[1]) +
+             ": must be in [0, vocab_size) or equal ignore_index (that row's loss is NaN)");
+}
+
+// ----------------------------------------------------------------------------- Layout checks
+
+namespace {
+
+// A small collective on host values, whatever the backend (setup and CPU calls only: it
+// synchronises the device for CUDA groups).
+void gather_on_host(const Group& group, const void* mine, void* all, size_t bytes) {
+  Communicator& c = group.comm();
+  if (c.backend() == Backend::cpu) {
+    c.all_gather(mine, all, bytes, nullptr);
+    return;
+  }
+  void* dev = nullptr;
+  const size_t total = bytes * c.size();
+  comm::check_cuda(cudaMalloc(&dev, bytes + total), "cudaMalloc (layout check)");
+  char* d = static_cast<char*>(dev);
+  try {
+    comm::check_cuda(cudaMemcpy(d, mine, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    c.all_gather(d, d + bytes, bytes, nullptr);
+    comm::check_cuda(cudaMemcpy(all, d + bytes, total, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  } catch (...) {
+    cudaFree(dev);
+    throw;
+  }
+  cudaFree(dev);
+}
+
+void exchange_and_check(const Group& group, const core::LayoutHeader& mine, bool tiling) {
+  std::vector<core::LayoutHeader> all(group.size());
+  gather_on_host(group, &mine, all.data(), sizeof mine);
+  core::check_headers(all.data(), group.size(), tiling);
+}
+
+}  // namespace
+
+Shard plan_shard(const Group& group, int64_t width, int64_t vocab_size) {
+  if (width < 1) core::fail("plan_shard(width = " + std::to_string(width) + "): must be >= 1");
+  std::vector<int64_t> widths(group.size());
+  gather_on_host(group, &width, widths.data(), sizeof width);
+  Shard s;
+  int64_t total = 0;
+  for (int k = 0; k < group.size(); ++k) {
+    if (k == group.rank()) s.start = total;
+    total += widths[k];
+  }
+  s.width = width;
+  s.vocab_size = vocab_size < 0 ? total : vocab_size;
+  if (s.vocab_size < 1 || s.vocab_size > total)
+    core::fail("plan_shard(vocab_size = " + std::to_string(vocab_size) +
+               "): must be in [1, " + std::to_string(total) +
+               "], the sum of the ranks' widths (columns past it are padding)");
+  return s;
+}
+
+void apply(const Shard& shard, Options& opt) {
+  opt.vocab_start = shard.start;
+  opt.vocab_size = shard.vocab_size;
+}
+
+void check_layout(const Group& group, const Shard& mine, int64_t rows) {
+  core::LayoutHeader h{rows, mine.start, mine.width, mine.vocab_size, 0, -1, -1};
+  exchange_and_check(group, h, /*tiling=*/true);
+}
+
+// ------------------------------------------------------------------------- forward, backward
+
+namespace {
+
+void check_placement(const Group& group, const void* ptr, const char* name) {
+  if (ptr == nullptr || group.backend() == Backend::cpu) return;
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    core::fail(std::string(name) + " is not a CUDA pointer, but the group's backend is cuda");
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+    core::fail(std::string(name) + " is host memory, but the group's backend is cuda: pass " +
+               "device memory (or use a CPU group)");
+}
+
+int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t y = core::load_target(t.data, t.type, r);
+    if (y != p.ignore_index && !core::target_in_range(y, p.vocab_size)) {
+      *value = y;
+      return r;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
+             const Outputs& out, cudaStream_t stream) {
+  const core::Problem p = core::make_problem(logits, targets, opt);
+  core::check_outputs(p, opt, out);
+  Workspace& ws = group.workspace();
+  const int ranks = group.size();
+  const size_t bytes = p.layout.bytes_per_row() * static_cast<size_t>(p.rows);
+  ws.prepare(p.rows, p.layout.fields, ranks);
+  float* lse = out.lse ? out.lse : ws.lse;
+
+  if (group.backend() == Backend::cpu) {
+    // Every rank learns of every other rank's mistakes before any work, so all throw together.
+    core::LayoutHeader h = core::make_header(p, opt);
+    h.bad_row = first_bad_target(p, targets, &h.bad_target);
+    exchange_and_check(group, h, /*tiling=*/ranks > 1);
+    cpu::stats(p, logits, targets, ws.send);
+    if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
+    cpu::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars);
+    if (opt.grad_mode == GradMode::fused) cpu::gradient(p, logits, targets, lse, ws.scalars, nullptr);
+    return;
+  }
+
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{logits.data, "logits.data"},
+                           {targets.data, "targets.data"}, {out.loss, "outputs.loss"},
+                           {out.lse, "outputs.lse"}}) {
+    if (p.rows > 0) check_placement(group, ptr, name);
+  }
+  if (p.rows == 0) {  // nothing to gather (every rank has no rows); the reductions are 0
+    if (p.reduction != Reduction::none)
+      comm::check_cuda(cudaMemsetAsync(out.loss, 0, sizeof(float), stream), "cudaMemsetAsync");
+    if (out.accuracy)
+      comm::check_cuda(cudaMemsetAsync(out.accuracy, 0, sizeof(float), stream), "cudaMemsetAsync");
+    return;
+  }
+  cuda::stats(p, logits, targets, ws.send, ws.error, stream);
+  if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
+  cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, stream);
+  if (opt.grad_mode == GradMode::fused)
+    cuda::gradient(p, logits, targets, lse, ws.scalars, nullptr, stream);
+}
+
+void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
+              const float* grad_output, const Options& opt, cudaStream_t stream) {
+  const core::Problem p = core::make_problem(logits, targets, opt);
+  if (opt.grad_mode == GradMode::none)
+    core::fail("backward with grad_mode = none: forward computed no gradient");
+  const bool on_cpu = group.backend() == Backend::cpu;
+  if (opt.grad_mode == GradMode::fused) {
+    if (grad_output == nullptr || p.rows == 0) return;  // the gradient is already final
+    if (on_cpu)
+      cpu::scale_rows(p, logits, grad_output);
+    else
+      cuda::scale_rows(p, logits, grad_output, stream);
+    return;
+  }
+  if (lse == nullptr && p.rows > 0)
+    core::fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
+  Workspace& ws = group.workspace();
+  ws.prepare(p.rows, p.layout.fields, group.size());
+  if (on_cpu) {
+    cpu::count_valid(p, targets, ws.scalars);
+    cpu::gradient(p, logits, targets, lse, ws.scalars, grad_output);
+  } else {
+    cuda::count_valid(p, targets, ws.scalars, stream);
+    cuda::gradient(p, logits, targets, lse, ws.scalars, grad_output, stream);
+  }
+}
+
+}  // namespace xent

@@ -1,0 +1,73 @@
+// The steps every backend implements; api.cpp drives them in this order:
+//   forward:  stats -> Communicator::all_gather(records) -> finalize [-> gradient (fused)]
+//   backward: gradient (deferred) | scale_rows (fused)
+// All pointers live where the backend computes (host for cpu, device for cuda).
+#pragma once
+
+#include "core/problem.h"
+#include "xent/xent.h"
+
+namespace xent {
+
+// Scratch owned by a Group, grown on demand (Group::reserve grows it up front). One layout for
+// both backends; the CUDA backend's lives in device memory.
+struct Workspace {
+  Backend backend = Backend::cpu;
+  int device = -1;
+  void* base = nullptr;
+  size_t capacity = 0;
+
+  // Carved out of base for one call.
+  float* send = nullptr;     // [fields * rows]: this rank's records
+  float* recv = nullptr;     // [ranks * fields * rows]: everyone's, rank order
+  float* lse = nullptr;      // [rows]: global lse when the caller did not ask for it
+  float* scalars = nullptr;  // [kScalars]: see below
+  int64_t* error = nullptr;  // [2]: first bad row (-1 if none) and its target; CUDA only
+
+  static constexpr int kScale = 0;      // the reduction's scale: 1 / valid rows, or 1
+  static constexpr int kValid = 1;      // number of non-ignored rows
+  static constexpr int kScalars = 8;
+
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace();
+
+  static size_t bytes_needed(int64_t rows, int fields, int ranks);
+  // Grows if needed (allocation happens only here) and carves the pointers.
+  void prepare(int64_t rows, int fields, int ranks);
+};
+
+namespace cpu {
+void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float* record);
+// Global lse, losses, reduction, accuracy; writes ws.lse-or-out.lse and ws.scalars.
+void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
+              const Outputs& out, float* lse, float* scalars);
+// grad = row_scale * d loss / d x, in place of logits; row_scale = scalars[kScale] times
+// grad_output (scalar, or per row for Reduction::none; nullptr means 1).
+void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
+              const float* scalars, const float* grad_output);
+// Fused backward: multiplies each row of the gradient by grad_output where it is not 1.
+void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output);
+// Counts non-ignored rows into scalars[kValid] and sets scalars[kScale] (deferred backward).
+void count_valid(const core::Problem& p, TargetsView targets, float* scalars);
+}  // namespace cpu
+
+namespace cuda {
+// The same steps as cpu::, stream-ordered, no host synchronisation, no allocation. `error`
+// (device, [2]) receives the first row whose target is out of range, and that row's loss is NaN.
+void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float* record,
+           int64_t* error, cudaStream_t stream);
+void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
+              const Outputs& out, float* lse, float* scalars, cudaStream_t stream);
+void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
+              const float* scalars, const float* grad_output, cudaStream_t stream);
+void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
+                cudaStream_t stream);
+void count_valid(const core::Problem& p, TargetsView targets, float* scalars,
+                 cudaStream_t stream);
+// Device count, 0 when there is no usable driver/GPU (never throws).
+int device_count();
+}  // namespace cuda
+
+}  // namespace xent

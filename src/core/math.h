@@ -1,0 +1,144 @@
+// The formulas of the loss, written once for the CPU backend and the CUDA kernels alike.
+// Everything is fp32 whatever the logits' dtype (see ARCHITECTURE.md, "The math").
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define XENT_HD __host__ __device__ __forceinline__
+#else
+#define XENT_HD inline
+#endif
+
+namespace xent::core {
+
+constexpr float kNegInf = -INFINITY;
+
+XENT_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return __expf(x);  // ex2.approx: a few ulp, well inside the fp32 budget of a softmax
+#else
+  return std::exp(x);
+#endif
+}
+
+XENT_HD float log_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return __logf(x);
+#else
+  return std::log(x);
+#endif
+}
+
+// tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at +-inf, absolute error ~1e-7, and on the GPU
+// one exp and one division instead of tanhf's long polynomial.
+XENT_HD float tanh_f(float u) { return 1.0f - 2.0f / (exp_f(2.0f * u) + 1.0f); }
+
+// z = c * tanh(x / c) when a softcap c > 0 is given, else z = x.
+XENT_HD float softcap(float x, float cap) { return cap > 0.0f ? cap * tanh_f(x / cap) : x; }
+
+// dz/dx of the softcap, from z itself: 1 - tanh^2 = 1 - (z / c)^2.
+XENT_HD float softcap_slope(float z, float cap) {
+  if (cap <= 0.0f) return 1.0f;
+  const float t = z / cap;
+  return 1.0f - t * t;
+}
+
+// exp(from - to) for rescaling a running sum from max `from` to max `to >= from`; 0 when the sum
+// was empty (from = -inf), which also avoids -inf - -inf = NaN.
+XENT_HD float rescale(float from, float to) { return from == kNegInf ? 0.0f : exp_f(from - to); }
+
+// A running log-sum-exp: max m and sum s of exp(z - m). Merges in any order.
+struct LseAcc {
+  float m = kNegInf;
+  float s = 0.0f;
+
+  XENT_HD void add(float z) {
+    if (z == kNegInf) return;
+    if (z > m) {
+      s = s * rescale(m, z) + 1.0f;
+      m = z;
+    } else {
+      s += exp_f(z - m);
+    }
+  }
+  XENT_HD void merge(LseAcc o) {
+    const float nm = m > o.m ? m : o.m;
+    if (nm == kNegInf) return;
+    s = s * rescale(m, nm) + o.s * rescale(o.m, nm);
+    m = nm;
+  }
+  XENT_HD float lse() const { return s > 0.0f ? m + log_f(s) : kNegInf; }
+};
+
+// log(exp(a) + exp(b)), with -inf as the empty value.
+XENT_HD float log_add_exp(float a, float b) {
+  const float m = a > b ? a : b;
+  if (m == kNegInf) return kNegInf;
+  return m + log_f(rescale(a, m) + rescale(b, m));
+}
+
+// A running argmax; ties go to the smaller column, like torch.argmax.
+struct ArgMax {
+  float value = kNegInf;
+  int64_t index = -1;
+
+  XENT_HD void add(float v, int64_t i) {
+    if (v > value || (v == value && (index < 0 || i < index))) {
+      value = v;
+      index = i;
+    }
+  }
+  XENT_HD void merge(ArgMax o) {
+    if (o.index >= 0) add(o.value, o.index);
+  }
+};
+
+// Per-row loss from the global statistics: lse - (1 - e) * t - e * S / V + w * lse^2.
+// `sum_z` is only read when label smoothing is on.
+XENT_HD float row_loss(float lse, float target_z, float sum_z, float smoothing, float inv_vocab,
+                       float z_loss) {
+  float loss = lse - (1.0f - smoothing) * target_z + z_loss * lse * lse;
+  if (smoothing > 0.0f) loss -= smoothing * inv_vocab * sum_z;
+  return loss;
+}
+
+// The per-row constants of the gradient: d loss / d z_j = softmax_coef * exp(z_j - lse) - uniform
+// - target_coef * [j == y], all times the row's scale.
+struct GradCoef {
+  float lse;
+  float softmax_coef;  // (1 + 2 w lse) * scale
+  float uniform;       // e / V * scale
+  float target_coef;   // (1 - e) * scale
+};
+
+XENT_HD GradCoef grad_coef(float lse, float scale, float smoothing, float inv_vocab,
+                           float z_loss) {
+  GradCoef c;
+  c.lse = lse;
+  c.softmax_coef = (1.0f + 2.0f * z_loss * lse) * scale;
+  c.uniform = smoothing * inv_vocab * scale;
+  c.target_coef = (1.0f - smoothing) * scale;
+  return c;
+}
+
+// Gradient w.r.t. the raw logit x of a real (non-padding) column; `z` is the softcapped logit.
+XENT_HD float grad_x(float z, bool is_target, const GradCoef& c, float cap) {
+  float g = c.softmax_coef * exp_f(z - c.lse) - c.uniform;
+  if (is_target) g -= c.target_coef;
+  return g * softcap_slope(z, cap);
+}
+
+// The reduction's scale of every row: 1 / valid rows for a mean (0 when no row is valid: an
+// all-ignored batch gives loss 0 and gradient 0 rather than NaN), else 1.
+XENT_HD float reduction_scale(bool mean, float valid_rows) {
+  return mean ? (valid_rows > 0.0f ? 1.0f / valid_rows : 0.0f) : 1.0f;
+}
+
+// A target is either ignore_index or a real class of the global vocabulary.
+XENT_HD bool target_in_range(int64_t target, int64_t vocab_size) {
+  return target >= 0 && target < vocab_size;
+}
+
+}  // namespace xent::core

@@ -1,0 +1,112 @@
+#include "core/problem.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace xent::core {
+
+void fail(const std::string& message) { throw Error("xent: " + message); }
+
+namespace {
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return s.str();
+}
+
+}  // namespace
+
+Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt) {
+  if (logits.rows < 0) fail(cat("logits.rows = ", logits.rows, ": must be >= 0"));
+  if (logits.cols < 1) fail(cat("logits.cols = ", logits.cols, ": must be >= 1"));
+  if (logits.row_stride < logits.cols)
+    fail(cat("logits.row_stride = ", logits.row_stride, ": must be >= logits.cols = ",
+             logits.cols));
+  if (logits.rows > 0 && logits.data == nullptr)
+    fail(cat("logits.data is null with logits.rows = ", logits.rows));
+  if (targets.rows != logits.rows)
+    fail(cat("targets.rows = ", targets.rows, ": must equal logits.rows = ", logits.rows));
+  if (targets.rows > 0 && targets.data == nullptr)
+    fail(cat("targets.data is null with targets.rows = ", targets.rows));
+  if (!(opt.label_smoothing >= 0.0f && opt.label_smoothing < 1.0f))
+    fail(cat("label_smoothing = ", opt.label_smoothing, ": must be in [0, 1)"));
+  if (!(opt.z_loss >= 0.0f) || std::isinf(opt.z_loss))
+    fail(cat("z_loss = ", opt.z_loss, ": must be a finite weight >= 0"));
+  if (!(opt.softcap >= 0.0f) || std::isinf(opt.softcap))
+    fail(cat("softcap = ", opt.softcap, ": must be > 0 when given (0 turns it off)"));
+  if (opt.vocab_start < 0) fail(cat("vocab_start = ", opt.vocab_start, ": must be >= 0"));
+  const int64_t vocab = opt.vocab_size < 0 ? opt.vocab_start + logits.cols : opt.vocab_size;
+  if (vocab < 1) fail(cat("vocab_size = ", opt.vocab_size, ": must be >= 1 (or -1)"));
+  if (vocab > INT32_MAX) fail(cat("vocab_size = ", vocab, ": must be < 2^31"));
+
+  Problem p;
+  p.rows = logits.rows;
+  p.cols = logits.cols;
+  p.row_stride = logits.row_stride;
+  p.vocab_start = opt.vocab_start;
+  p.vocab_size = vocab;
+  p.real_cols = std::max<int64_t>(0, std::min(logits.cols, vocab - opt.vocab_start));
+  p.inv_vocab = static_cast<float>(1.0 / static_cast<double>(vocab));
+  p.smoothing = opt.label_smoothing;
+  p.z_loss = opt.z_loss;
+  p.softcap = opt.softcap;
+  p.ignore_index = opt.ignore_index;
+  p.reduction = opt.reduction;
+  p.layout = RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy);
+  return p;
+}
+
+void check_outputs(const Problem& p, const Options& opt, const Outputs& out) {
+  if (out.loss == nullptr) fail("outputs.loss is null: the loss output is required");
+  if (opt.grad_mode == GradMode::deferred && out.lse == nullptr && p.rows > 0)
+    fail("outputs.lse is null with grad_mode = deferred: backward needs forward's lse");
+  if ((out.argmax != nullptr || out.accuracy != nullptr) && !opt.compute_accuracy)
+    fail("outputs.argmax/accuracy given with compute_accuracy = false: set it to true");
+}
+
+LayoutHeader make_header(const Problem& p, const Options& opt) {
+  // Options that change the loss must match on every rank, or each would report its own loss.
+  auto mix = [](int64_t h, int64_t v) { return h * 1000003 ^ v; };
+  int64_t h = 17;
+  h = mix(h, opt.ignore_index);
+  h = mix(h, static_cast<int64_t>(std::llround(opt.label_smoothing * 1e9)));
+  h = mix(h, static_cast<int64_t>(std::llround(opt.z_loss * 1e9)));
+  h = mix(h, static_cast<int64_t>(std::llround(opt.softcap * 1e6)));
+  h = mix(h, static_cast<int64_t>(opt.reduction));
+  h = mix(h, static_cast<int64_t>(opt.grad_mode));
+  h = mix(h, opt.compute_accuracy ? 1 : 0);
+  return LayoutHeader{p.rows, p.vocab_start, p.cols, p.vocab_size, h, -1, -1};
+}
+
+void check_headers(const LayoutHeader* all, int ranks, bool check_tiling) {
+  const LayoutHeader& r0 = all[0];
+  int64_t next = 0;
+  for (int k = 0; k < ranks; ++k) {
+    const LayoutHeader& h = all[k];
+    if (h.rows != r0.rows)
+      fail(cat("rows = ", h.rows, " on rank ", k, " but ", r0.rows,
+               " on rank 0: every rank must pass the same rows (tokens)"));
+    if (h.vocab_size != r0.vocab_size)
+      fail(cat("vocab_size = ", h.vocab_size, " on rank ", k, " but ", r0.vocab_size,
+               " on rank 0: every rank must pass the same vocab_size"));
+    if (h.options_hash != r0.options_hash)
+      fail(cat("options differ between rank ", k,
+               " and rank 0: ignore_index, label_smoothing, z_loss, softcap, reduction, "
+               "grad_mode and compute_accuracy must match on every rank"));
+    if (check_tiling && h.vocab_start != next)
+      fail(cat("vocab_start = ", h.vocab_start, " on rank ", k, ": shards must tile the "
+               "vocabulary in rank order, so it must be ", next,
+               " (the sum of the widths of ranks below it)"));
+    next += h.width;
+    if (h.bad_row >= 0)
+      fail(cat("targets[", h.bad_row, "] = ", h.bad_target, ": must be in [0, vocab_size = ",
+               h.vocab_size, ") or equal ignore_index"));
+  }
+  if (check_tiling && next < r0.vocab_size)
+    fail(cat("the shards' widths sum to ", next, ": they must cover vocab_size = ",
+             r0.vocab_size));
+}
+
+}  // namespace xent::core

@@ -1,0 +1,45 @@
+// Host-side validation of one call and the constants every backend derives from it.
+#pragma once
+
+#include <string>
+
+#include "core/record.h"
+#include "xent/xent.h"
+
+namespace xent::core {
+
+// What a forward/backward needs besides the pointers, validated once on the host.
+struct Problem {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  int64_t vocab_start = 0;
+  int64_t vocab_size = 0;
+  int64_t real_cols = 0;  // columns of this shard below vocab_size (the rest is padding)
+  float inv_vocab = 0.0f;
+  float smoothing = 0.0f;
+  float z_loss = 0.0f;
+  float softcap = 0.0f;
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::mean;
+  RecordLayout layout;
+};
+
+// Throws xent::Error naming the argument, the value and the rule.
+Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt);
+void check_outputs(const Problem& p, const Options& opt, const Outputs& out);
+
+// A fingerprint of everything all ranks must agree on (rows, vocab_size, options), exchanged by
+// the layout checks.
+struct LayoutHeader {
+  int64_t rows, vocab_start, width, vocab_size;
+  int64_t options_hash;
+  int64_t bad_row, bad_target;  // first target out of range on this rank, or -1
+};
+LayoutHeader make_header(const Problem& p, const Options& opt);
+// Checks the gathered headers of all ranks; every rank reaches the same verdict.
+void check_headers(const LayoutHeader* all, int ranks, bool check_tiling);
+
+[[noreturn]] void fail(const std::string& message);
+
+}  // namespace xent::core
