@@ -11,7 +11,9 @@
 
 namespace xent {
 
-const char* to_string(Backend b) { return b == Backend::cpu ? "cpu" : "cuda"; }
+const char* to_string(Backend b) {
+  return b == Backend::cpu ? "cpu" : "cuda";
+}
 const char* to_string(DType d) {
   switch (d) {
     case DType::bf16: return "bf16";
@@ -33,18 +35,21 @@ const char* to_string(GradMode m) {
     default: return "fused";
   }
 }
-size_t dtype_size(DType d) { return d == DType::f32 ? 4 : 2; }
+size_t dtype_size(DType d) {
+  return d == DType::f32 ? 4 : 2;
+}
 
 size_t record_bytes(const Options& opt) {
-  return core::RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy)
-      .bytes_per_row();
+  return core::RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy).bytes_per_row();
 }
 
 // ---------------------------------------------------------------------------------- Workspace
 
 namespace {
 constexpr size_t kAlign = 256;
-size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t aligned(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 }  // namespace
 
 size_t Workspace::bytes_needed(int64_t rows, int fields, int ranks) {
@@ -69,7 +74,8 @@ void Workspace::prepare(int64_t rows, int fields, int ranks) {
     if (backend == Backend::cpu) {
       std::free(base);
       base = std::aligned_alloc(kAlign, aligned(need));
-      if (base == nullptr) core::fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
+      if (base == nullptr)
+        core::fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
       std::memset(base, 0xff, 2 * sizeof(int64_t));  // error slot: -1, no bad target seen
     } else {
       if (base != nullptr) {  // kernels in flight may still use it
@@ -123,7 +129,9 @@ Group Group::local(Backend backend, int device) {
   }
   return make_group(comm::make_local(backend, device));
 }
-Group Group::host(MPI_Comm comm) { return make_group(comm::make_mpi(comm)); }
+Group Group::host(MPI_Comm comm) {
+  return make_group(comm::make_mpi(comm));
+}
 Group Group::from_mpi(MPI_Comm comm, int device) {
   return make_group(comm::make_nccl_from_mpi(comm, device));
 }
@@ -135,12 +143,24 @@ Group Group::custom(std::shared_ptr<Communicator> comm) {
   return make_group(std::move(comm));
 }
 
-int Group::rank() const { return impl_->comm->rank(); }
-int Group::size() const { return impl_->comm->size(); }
-Backend Group::backend() const { return impl_->comm->backend(); }
-int Group::device() const { return impl_->comm->device(); }
-Communicator& Group::comm() const { return *impl_->comm; }
-Workspace& Group::workspace() const { return impl_->ws; }
+int Group::rank() const {
+  return impl_->comm->rank();
+}
+int Group::size() const {
+  return impl_->comm->size();
+}
+Backend Group::backend() const {
+  return impl_->comm->backend();
+}
+int Group::device() const {
+  return impl_->comm->device();
+}
+Communicator& Group::comm() const {
+  return *impl_->comm;
+}
+Workspace& Group::workspace() const {
+  return impl_->ws;
+}
 
 void Group::reserve(int64_t rows, const Options& opt) const {
   if (rows < 0) core::fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
@@ -208,8 +228,8 @@ Shard plan_shard(const Group& group, int64_t width, int64_t vocab_size) {
   s.width = width;
   s.vocab_size = vocab_size < 0 ? total : vocab_size;
   if (s.vocab_size < 1 || s.vocab_size > total)
-    core::fail("plan_shard(vocab_size = " + std::to_string(vocab_size) +
-               "): must be in [1, " + std::to_string(total) +
+    core::fail("plan_shard(vocab_size = " + std::to_string(vocab_size) + "): must be in [1, " +
+               std::to_string(total) +
                "], the sum of the ranks' widths (columns past it are padding)");
   return s;
 }
@@ -271,12 +291,14 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
     cpu::stats(p, logits, targets, ws.send);
     if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
     cpu::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars);
-    if (opt.grad_mode == GradMode::fused) cpu::gradient(p, logits, targets, lse, ws.scalars, nullptr);
+    if (opt.grad_mode == GradMode::fused)
+      cpu::gradient(p, logits, targets, lse, ws.scalars, nullptr);
     return;
   }
 
   for (auto [ptr, name] : {std::pair<const void*, const char*>{logits.data, "logits.data"},
-                           {targets.data, "targets.data"}, {out.loss, "outputs.loss"},
+                           {targets.data, "targets.data"},
+                           {out.loss, "outputs.loss"},
                            {out.lse, "outputs.lse"}}) {
     if (p.rows > 0) check_placement(group, ptr, name);
   }

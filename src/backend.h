@@ -24,8 +24,8 @@ struct Workspace {
   float* scalars = nullptr;  // [kScalars]: see below
   int64_t* error = nullptr;  // [2]: first bad row (-1 if none) and its target; CUDA only
 
-  static constexpr int kScale = 0;      // the reduction's scale: 1 / valid rows, or 1
-  static constexpr int kValid = 1;      // number of non-ignored rows
+  static constexpr int kScale = 0;  // the reduction's scale: 1 / valid rows, or 1
+  static constexpr int kValid = 1;  // number of non-ignored rows
   static constexpr int kScalars = 8;
 
   Workspace() = default;
@@ -64,8 +64,7 @@ void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, co
               const float* scalars, const float* grad_output, cudaStream_t stream);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
-void count_valid(const core::Problem& p, TargetsView targets, float* scalars,
-                 cudaStream_t stream);
+void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream);
 // Device count, 0 when there is no usable driver/GPU (never throws).
 int device_count();
 }  // namespace cuda

@@ -60,26 +60,26 @@ struct TargetsView {
 };
 
 struct Options {
-  int64_t ignore_index = -100;       // rows with this target: loss 0, gradient 0
-  float label_smoothing = 0.0f;      // in [0, 1), uniform over the real vocab_size classes
-  float z_loss = 0.0f;               // weight w >= 0 of w * lse^2
-  float softcap = 0.0f;              // > 0: logits become c * tanh(x / c); 0: off
+  int64_t ignore_index = -100;            // rows with this target: loss 0, gradient 0
+  float label_smoothing = 0.0f;           // in [0, 1), uniform over the real vocab_size classes
+  float z_loss = 0.0f;                    // weight w >= 0 of w * lse^2
+  float softcap = 0.0f;                   // > 0: logits become c * tanh(x / c); 0: off
   Reduction reduction = Reduction::mean;  // mean: over rows whose target is not ignore_index
   GradMode grad_mode = GradMode::fused;
   // Shard layout: this rank owns global columns [vocab_start, vocab_start + cols); columns at or
   // past vocab_size are padding (treated as -inf, gradient 0). Use plan_shard() to fill them.
   int64_t vocab_start = 0;
-  int64_t vocab_size = -1;  // -1: vocab_start + cols (a single rank with no padding)
-  bool compute_accuracy = false;     // fills Outputs::argmax / Outputs::accuracy
+  int64_t vocab_size = -1;        // -1: vocab_start + cols (a single rank with no padding)
+  bool compute_accuracy = false;  // fills Outputs::argmax / Outputs::accuracy
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.
 struct Outputs {
-  float* loss = nullptr;            // required: [1] for mean/sum, [rows] for none
-  float* lse = nullptr;             // [rows] global log-sum-exp; required for GradMode::deferred
-  float* z_loss = nullptr;          // [rows] optional: the z-loss term w * lse^2 of each row
-  int64_t* argmax = nullptr;        // [rows] optional: global argmax column (compute_accuracy)
-  float* accuracy = nullptr;        // [1] optional: share of non-ignored rows with argmax == target
+  float* loss = nullptr;      // required: [1] for mean/sum, [rows] for none
+  float* lse = nullptr;       // [rows] global log-sum-exp; required for GradMode::deferred
+  float* z_loss = nullptr;    // [rows] optional: the z-loss term w * lse^2 of each row
+  int64_t* argmax = nullptr;  // [rows] optional: global argmax column (compute_accuracy)
+  float* accuracy = nullptr;  // [1] optional: share of non-ignored rows with argmax == target
 };
 
 // How stats records travel between ranks. Implementations: MPI (host memory), NCCL (device

@@ -22,7 +22,8 @@ class Mpi final : public Communicator {
                   " bytes per rank: MPI counts must stay below 2^31 bytes");
     const int n = static_cast<int>(bytes);
     const int rc = MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_);
-    if (rc != MPI_SUCCESS) throw Error("xent: MPI_Allgather failed with code " + std::to_string(rc));
+    if (rc != MPI_SUCCESS)
+      throw Error("xent: MPI_Allgather failed with code " + std::to_string(rc));
   }
 
  private:

@@ -74,7 +74,8 @@ std::shared_ptr<Communicator> make_nccl_from_mpi(MPI_Comm comm, int device) {
 }
 
 std::shared_ptr<Communicator> make_nccl_adopted(ncclComm_t comm, int device) {
-  if (comm == nullptr) throw Error("xent: Group::adopt(comm = null): needs an initialised ncclComm_t");
+  if (comm == nullptr)
+    throw Error("xent: Group::adopt(comm = null): needs an initialised ncclComm_t");
   return std::make_shared<Nccl>(comm, device, /*owned=*/false);
 }
 

@@ -33,10 +33,14 @@ XENT_HD float log_f(float x) {
 
 // tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at +-inf, absolute error ~1e-7, and on the GPU
 // one exp and one division instead of tanhf's long polynomial.
-XENT_HD float tanh_f(float u) { return 1.0f - 2.0f / (exp_f(2.0f * u) + 1.0f); }
+XENT_HD float tanh_f(float u) {
+  return 1.0f - 2.0f / (exp_f(2.0f * u) + 1.0f);
+}
 
 // z = c * tanh(x / c) when a softcap c > 0 is given, else z = x.
-XENT_HD float softcap(float x, float cap) { return cap > 0.0f ? cap * tanh_f(x / cap) : x; }
+XENT_HD float softcap(float x, float cap) {
+  return cap > 0.0f ? cap * tanh_f(x / cap) : x;
+}
 
 // dz/dx of the softcap, from z itself: 1 - tanh^2 = 1 - (z / c)^2.
 XENT_HD float softcap_slope(float z, float cap) {
@@ -47,7 +51,9 @@ XENT_HD float softcap_slope(float z, float cap) {
 
 // exp(from - to) for rescaling a running sum from max `from` to max `to >= from`; 0 when the sum
 // was empty (from = -inf), which also avoids -inf - -inf = NaN.
-XENT_HD float rescale(float from, float to) { return from == kNegInf ? 0.0f : exp_f(from - to); }
+XENT_HD float rescale(float from, float to) {
+  return from == kNegInf ? 0.0f : exp_f(from - to);
+}
 
 // A running log-sum-exp: max m and sum s of exp(z - m). Merges in any order.
 struct LseAcc {
@@ -113,8 +119,7 @@ struct GradCoef {
   float target_coef;   // (1 - e) * scale
 };
 
-XENT_HD GradCoef grad_coef(float lse, float scale, float smoothing, float inv_vocab,
-                           float z_loss) {
+XENT_HD GradCoef grad_coef(float lse, float scale, float smoothing, float inv_vocab, float z_loss) {
   GradCoef c;
   c.lse = lse;
   c.softmax_coef = (1.0f + 2.0f * z_loss * lse) * scale;

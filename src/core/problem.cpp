@@ -5,7 +5,9 @@
 
 namespace xent::core {
 
-void fail(const std::string& message) { throw Error("xent: " + message); }
+void fail(const std::string& message) {
+  throw Error("xent: " + message);
+}
 
 namespace {
 
@@ -22,8 +24,8 @@ Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt)
   if (logits.rows < 0) fail(cat("logits.rows = ", logits.rows, ": must be >= 0"));
   if (logits.cols < 1) fail(cat("logits.cols = ", logits.cols, ": must be >= 1"));
   if (logits.row_stride < logits.cols)
-    fail(cat("logits.row_stride = ", logits.row_stride, ": must be >= logits.cols = ",
-             logits.cols));
+    fail(
+        cat("logits.row_stride = ", logits.row_stride, ": must be >= logits.cols = ", logits.cols));
   if (logits.rows > 0 && logits.data == nullptr)
     fail(cat("logits.data is null with logits.rows = ", logits.rows));
   if (targets.rows != logits.rows)
@@ -96,17 +98,17 @@ void check_headers(const LayoutHeader* all, int ranks, bool check_tiling) {
                " and rank 0: ignore_index, label_smoothing, z_loss, softcap, reduction, "
                "grad_mode and compute_accuracy must match on every rank"));
     if (check_tiling && h.vocab_start != next)
-      fail(cat("vocab_start = ", h.vocab_start, " on rank ", k, ": shards must tile the "
-               "vocabulary in rank order, so it must be ", next,
-               " (the sum of the widths of ranks below it)"));
+      fail(cat("vocab_start = ", h.vocab_start, " on rank ", k,
+               ": shards must tile the "
+               "vocabulary in rank order, so it must be ",
+               next, " (the sum of the widths of ranks below it)"));
     next += h.width;
     if (h.bad_row >= 0)
-      fail(cat("targets[", h.bad_row, "] = ", h.bad_target, ": must be in [0, vocab_size = ",
-               h.vocab_size, ") or equal ignore_index"));
+      fail(cat("targets[", h.bad_row, "] = ", h.bad_target,
+               ": must be in [0, vocab_size = ", h.vocab_size, ") or equal ignore_index"));
   }
   if (check_tiling && next < r0.vocab_size)
-    fail(cat("the shards' widths sum to ", next, ": they must cover vocab_size = ",
-             r0.vocab_size));
+    fail(cat("the shards' widths sum to ", next, ": they must cover vocab_size = ", r0.vocab_size));
 }
 
 }  // namespace xent::core

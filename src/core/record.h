@@ -10,9 +10,9 @@
 namespace xent::core {
 
 struct RecordLayout {
-  int fields = 2;       // lse and target logit always
-  int sum_field = -1;   // sum of z over the real columns (label smoothing)
-  int max_field = -1;   // max z and its global column (accuracy)
+  int fields = 2;      // lse and target logit always
+  int sum_field = -1;  // sum of z over the real columns (label smoothing)
+  int max_field = -1;  // max z and its global column (accuracy)
   int argmax_field = -1;
 
   static constexpr int kLse = 0;
@@ -52,14 +52,14 @@ XENT_HD int32_t slot_to_index(float f) {
 
 // What one rank knows of one row after its pass over its shard.
 struct LocalStats {
-  LseAcc lse;        // over this shard's real columns
+  LseAcc lse;                // over this shard's real columns
   float target_z = kNegInf;  // z of the target column if this shard owns it
   float sum_z = 0.0f;
   ArgMax best;
 };
 
-XENT_HD void write_record(const LocalStats& st, const RecordLayout& L, float* record,
-                          int64_t rows, int64_t row) {
+XENT_HD void write_record(const LocalStats& st, const RecordLayout& L, float* record, int64_t rows,
+                          int64_t row) {
   record[RecordLayout::kLse * rows + row] = st.lse.lse();
   record[RecordLayout::kTarget * rows + row] = st.target_z;
   if (L.sum_field >= 0) record[L.sum_field * rows + row] = st.sum_z;

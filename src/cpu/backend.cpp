@@ -1,13 +1,16 @@
 // The reference backend: plain loops over core/math.h, the same steps as the CUDA kernels.
+#include "backend.h"
+
 #include <algorithm>
 
-#include "backend.h"
 #include "core/dtype.h"
 
 namespace xent::cpu {
 namespace {
 
-bool ignored(const core::Problem& p, int64_t target) { return target == p.ignore_index; }
+bool ignored(const core::Problem& p, int64_t target) {
+  return target == p.ignore_index;
+}
 
 float grad_output_of(const core::Problem& p, const float* grad_output, int64_t row) {
   if (grad_output == nullptr) return 1.0f;
