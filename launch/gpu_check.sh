@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# What CI cannot run: on a GPU machine, build, run every test (GPU ones included), the NCCL dist
+# tests on all GPUs, compute-sanitizer on a representative subset, and the benchmark.
+# Logs and JSON go to $XENT_LOGS (default: gpu-logs/). Usage: bash launch/gpu_check.sh [quick]
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+logs=${XENT_LOGS:-$root/gpu-logs}
+mkdir -p "$logs"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+ngpu=$(nvidia-smi -L | wc -l)
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '.')
+echo "== $ngpu GPU(s), sm_$arch"
+nvidia-smi -L
+cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" ${XENT_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+  { tail -n 40 "$logs/configure.log"; exit 1; }
+cmake --build "$root/build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
+  { grep -E "error" -A3 "$logs/build.log" | head -60; exit 1; }
+echo "== built"
+status=0
+(cd "$root/build" && ctest --output-on-failure -j 4 --timeout 600) >"$logs/ctest.log" 2>&1 || status=1
+tail -n 15 "$logs/ctest.log"
+if [ "$ngpu" -ge 2 ]; then
+  echo "== dist tests over NCCL, $ngpu ranks"
+  XENT_TEST_BACKEND=cuda mpirun -np "$ngpu" --oversubscribe "$root/build/dist_tests/xent_dist_tests" \
+    >"$logs/dist_nccl.log" 2>&1 || status=1
+  grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl.log" | sort | uniq -c
+fi
+echo "== compute-sanitizer"
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool "$tool" --error-exitcode 9 "$root/build/tests/gpu/xent_gpu_tests" \
+    --gtest_filter="${XENT_SANITIZE_FILTER:-*Sanitize*}" >"$logs/sanitize_$tool.log" 2>&1 || status=1
+  tail -n 3 "$logs/sanitize_$tool.log"
+done
+exit $status
