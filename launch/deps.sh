@@ -55,7 +55,8 @@ xent_cuda_arch() {
 # xent_configure_build [extra cmake args...]
 xent_configure_build() {
   local gen=()
-  command -v ninja >/dev/null && gen=(-G Ninja)
+  # A generator can only be chosen when build/ is first configured.
+  [ ! -f "$XENT_ROOT/build/CMakeCache.txt" ] && command -v ninja >/dev/null && gen=(-G Ninja)
   local arch
   arch=$(xent_cuda_arch)
   xent_say "configuring build/ (CUDA architecture $arch)"

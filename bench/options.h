@@ -1,0 +1,45 @@
+// xent_dist_bench: flags and YAML presets. Every rank parses the same argv (and reads the same
+// config file) before any collective; a bad value is refused with a message naming the flag or
+// config key and the value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace xb {
+
+struct Settings {
+  std::string device;              // "cpu" or "cuda"
+  std::string config;              // --config path ("" for none)
+  std::string model;               // label from the config (or "custom")
+  std::vector<int64_t> tokens;     // the sweep
+  int64_t vocab = 0;               // real vocabulary size
+  int64_t pad_to = 1;
+  int64_t padded = 0;              // vocab rounded up to a multiple of pad_to
+  int dtype = 1;                   // xb::DTypeCode
+  int reduction = 1;               // xb::ReductionCode
+  std::vector<std::string> modes;  // "fused", "deferred"
+  double label_smoothing = 0.0;
+  double z_loss = 0.0;
+  double softcap = 0.0;
+  double ignore_fraction = 0.0;
+  double grad_output = 1.0;
+  double logit_range = 8.0;
+  int iters = 20;
+  int warmup = 5;
+  bool check = false;
+  bool graph = false;
+  uint64_t seed = 1;
+  std::string json;
+  std::string command;             // argv, joined
+};
+
+enum ParseStatus { kParseOk = 0, kParseHelp = 1, kParseError = 2 };
+
+// cuda_devices: what cudaGetDeviceCount said (0 when none or no driver); picks the default device.
+// On kParseHelp `message` is the help text; on kParseError the reason.
+ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_devices,
+                           Settings& s, std::string& message);
+
+}  // namespace xb
