@@ -3,10 +3,9 @@
 // reduction of a per-thread value over a row's group of threads (a warp or the whole block).
 #pragma once
 
+#include <cstdint>
 #include <cub/block/block_reduce.cuh>
 #include <cub/warp/warp_reduce.cuh>
-
-#include <cstdint>
 
 #include "core/dtype.h"
 #include "core/math.h"

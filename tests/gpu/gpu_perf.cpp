@@ -108,21 +108,19 @@ int main(int argc, char** argv) {
   const double copy_bw = 2.0 * copy_bytes / (copy_ms * 1e-3);
   std::printf("programmatic dependent launch: %s by default\n",
               xent::cuda::programmatic_launch() ? "on" : "off");
-  std::printf("copy bandwidth: %.1f GB/s (read + write, %zu MiB copy, %.3f ms)\n\n",
-              copy_bw * 1e-9, copy_bytes >> 20, copy_ms);
+  std::printf("copy bandwidth: %.1f GB/s (read + write, %zu MiB copy, %.3f ms)\n\n", copy_bw * 1e-9,
+              copy_bytes >> 20, copy_ms);
   ck(cudaFree(src), "free");
   ck(cudaFree(dst), "free");
 
-  constexpr int kVariants = 4;  // xent::cuda::set_stats_variant
-  const int default_variant = 0;
-  std::printf("fwd+bwd ms (and %% of the 3-pass roofline) per stats variant, PDL on; the last "
-              "column: variant %d without PDL\n", default_variant);
-  std::printf("%-6s %-7s %-9s %9s", "N", "V_local", "mode", "roof ms");
-  for (int v = 0; v < kVariants; ++v) std::printf("   var%d ms  %%roof", v);
-  std::printf("   noPDL ms  %%roof\n");
+  std::printf(
+      "forward + backward, bf16, mean: ms and %% of the 3-pass roofline, with and "
+      "without programmatic dependent launch (PDL)\n");
+  std::printf("%-6s %-7s %-9s %9s %10s %7s %10s %7s\n", "N", "V_local", "mode", "roof ms", "PDL ms",
+              "%roof", "noPDL ms", "%roof");
   struct KernelRow {
     int64_t v;
-    double stats[kVariants], finalize, gradient;
+    double stats, finalize, gradient;
   };
   std::vector<KernelRow> krows;
   xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
@@ -165,18 +163,13 @@ int main(int argc, char** argv) {
         xent::forward(g, lv, tv, opt, out, nullptr);
         xent::backward(g, lv, tv, lse, nullptr, opt, nullptr);
       };
-      std::printf("%-6lld %-7lld %-9s %9.3f", (long long)N, (long long)V, xent::to_string(mode),
-                  roof_ms);
-      for (int v = 0; v < kVariants; ++v) {
-        xent::cuda::set_stats_variant(v);
-        const double ms = timer.median(step);
-        std::printf(" %9.3f %5.1f%%", ms, 100.0 * roof_ms / ms);
-      }
-      xent::cuda::set_stats_variant(default_variant);
+      const double ms = timer.median(step);
       xent::cuda::set_programmatic_launch(false);
       const double ms_nopdl = timer.median(step);
       xent::cuda::set_programmatic_launch(true);
-      std::printf("  %9.3f %5.1f%%\n", ms_nopdl, 100.0 * roof_ms / ms_nopdl);
+      std::printf("%-6lld %-7lld %-9s %9.3f %10.3f %6.1f%% %10.3f %6.1f%%\n", (long long)N,
+                  (long long)V, xent::to_string(mode), roof_ms, ms, 100.0 * roof_ms / ms, ms_nopdl,
+                  100.0 * roof_ms / ms_nopdl);
       std::fflush(stdout);
       ck(cudaMemcpy(x, host.data(), elems * 2, cudaMemcpyHostToDevice), "H2D");
     }
@@ -186,20 +179,16 @@ int main(int argc, char** argv) {
       const xent::core::Problem p = xent::core::make_problem(lv, tv, opt);
       xent::Workspace& ws = g.workspace();
       ws.prepare(N, p.layout.fields, 1);
-      KernelRow k{V, {}, 0, 0};
+      KernelRow k{V, 0, 0, 0};
       auto stats = [&] { xent::cuda::stats(p, lv, tv, ws.send, ws.error, nullptr); };
-      for (int v = 0; v < kVariants; ++v) {
-        xent::cuda::set_stats_variant(v);
-        k.stats[v] = timer.median(stats);
-      }
-      xent::cuda::set_stats_variant(default_variant);
+      k.stats = timer.median(stats);
       xent::Outputs out;
       out.loss = loss;
       // finalize reads the records the stats kernel just wrote (in L2), as in forward().
       k.finalize = timer.median(
           [&] { xent::cuda::finalize(p, tv, ws.recv, 1, out, lse, ws.scalars, nullptr); }, stats);
-      k.gradient = timer.median(
-          [&] { xent::cuda::gradient(p, lv, tv, lse, ws.scalars, nullptr, nullptr); });
+      k.gradient =
+          timer.median([&] { xent::cuda::gradient(p, lv, tv, lse, ws.scalars, nullptr, nullptr); });
       krows.push_back(k);
     }
     ck(cudaFree(x), "free");
@@ -207,17 +196,16 @@ int main(int argc, char** argv) {
     ck(cudaFree(loss), "free");
     ck(cudaFree(lse), "free");
   }
-  std::printf("\nkernels alone: stats (each variant: ms, %% of copy bandwidth), finalize, gradient\n");
-  std::printf("%-8s", "V_local");
-  for (int v = 0; v < kVariants; ++v) std::printf("  var%d ms %%copy", v);
-  std::printf(" %12s %9s %9s\n", "finalize ms", "grad ms", "grad %cp");
+  std::printf(
+      "\nkernels alone (PDL on): stats read rate against the copy bandwidth; finalize; "
+      "gradient (read + write) against the copy bandwidth\n");
+  std::printf("%-8s %9s %10s %7s %12s %9s %8s\n", "V_local", "stats ms", "stats GB/s", "%copy",
+              "finalize ms", "grad ms", "%copy");
   for (const KernelRow& k : krows) {
     const double bytes = static_cast<double>(N) * k.v * 2;
-    std::printf("%-8lld", (long long)k.v);
-    for (int v = 0; v < kVariants; ++v)
-      std::printf(" %8.3f %5.1f%%", k.stats[v], 100.0 * bytes / (k.stats[v] * 1e-3) / copy_bw);
-    const double gbw = 2 * bytes / (k.gradient * 1e-3);
-    std::printf(" %12.4f %9.3f %8.1f%%\n", k.finalize, k.gradient, 100.0 * gbw / copy_bw);
+    const double sbw = bytes / (k.stats * 1e-3), gbw = 2 * bytes / (k.gradient * 1e-3);
+    std::printf("%-8lld %9.3f %10.1f %6.1f%% %12.4f %9.3f %7.1f%%\n", (long long)k.v, k.stats,
+                sbw * 1e-9, 100.0 * sbw / copy_bw, k.finalize, k.gradient, 100.0 * gbw / copy_bw);
   }
   return 0;
 }

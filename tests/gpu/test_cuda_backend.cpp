@@ -56,7 +56,9 @@ void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-size_t esize(DType d) { return d == DType::f32 ? 4 : 2; }
+size_t esize(DType d) {
+  return d == DType::f32 ? 4 : 2;
+}
 
 float load_as_float(DType d, const uint8_t* p) {
   switch (d) {
@@ -202,7 +204,8 @@ Inputs make_inputs(const Case& c) {
     const size_t n = c.opt.reduction == Reduction::none ? static_cast<size_t>(c.rows) : 1;
     in.grad_output.assign(n, 1.0f);
     if (c.go_kind == 2)
-      for (size_t i = 0; i < n; ++i) in.grad_output[i] = (i % 3 == 1) ? 1.0f : 0.37f + 0.1f * (i % 7);
+      for (size_t i = 0; i < n; ++i)
+        in.grad_output[i] = (i % 3 == 1) ? 1.0f : 0.37f + 0.1f * (i % 7);
   }
   return in;
 }
@@ -326,7 +329,8 @@ bool close(double a, double b, double lim) {
   const size_t es = esize(c.dtype);
   const int64_t S = c.stride();
   auto x_at = [&](int64_t r, int64_t global_col) {
-    return load_as_float(c.dtype, &in.logits[static_cast<size_t>(r * S + global_col - c.vocab_start) * es]);
+    return load_as_float(c.dtype,
+                         &in.logits[static_cast<size_t>(r * S + global_col - c.vocab_start) * es]);
   };
   int flips = 0;
   if (c.opt.compute_accuracy) {
@@ -334,11 +338,13 @@ bool close(double a, double b, double lim) {
       const int64_t a = gpu.argmax[r], b = cpu.argmax[r];
       if (a == b) continue;
       const bool valid_a = a >= c.vocab_start && a < c.vocab_start + c.real_cols();
-      if (valid_a && std::fabs(x_at(r, a) - x_at(r, b)) <= 1e-4 * std::max(1.0f, std::fabs(x_at(r, b)))) {
+      if (valid_a &&
+          std::fabs(x_at(r, a) - x_at(r, b)) <= 1e-4 * std::max(1.0f, std::fabs(x_at(r, b)))) {
         ++flips;
         continue;
       }
-      note("argmax[" + std::to_string(r) + "] gpu " + std::to_string(a) + " cpu " + std::to_string(b));
+      note("argmax[" + std::to_string(r) + "] gpu " + std::to_string(a) + " cpu " +
+           std::to_string(b));
     }
     int64_t valid = 0;
     for (int64_t r = 0; r < c.rows; ++r) valid += in.t64[r] != c.opt.ignore_index;
@@ -351,7 +357,8 @@ bool close(double a, double b, double lim) {
   for (int64_t r = 0; r < c.rows; ++r) {
     double rowmax = 0.0;
     for (int64_t j = 0; j < c.cols; ++j)
-      rowmax = std::max(rowmax, std::fabs((double)load_as_float(c.dtype, &cpu.logits[(r * S + j) * es])));
+      rowmax = std::max(rowmax,
+                        std::fabs((double)load_as_float(c.dtype, &cpu.logits[(r * S + j) * es])));
     for (int64_t j = 0; j < S; ++j) {
       const size_t off = static_cast<size_t>(r * S + j) * es;
       const bool gap = j >= c.cols;
@@ -426,8 +433,8 @@ TEST(CudaBackend, DeviceCount) {
 TEST(CudaBackend, VocabSweepAllDtypes) {
   SKIP_WITHOUT_GPU();
   const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {8192, 1}, {8192, 7}, {3, 1000}, {1000, 1000}, {1, 16032}, {3, 32064},
-      {3, 128256}, {1, 262144}, {2, 262150}, {0, 1000}, {50, 4096}, {50, 4104}};
+      {8192, 1},   {8192, 7},   {3, 1000},   {1000, 1000}, {1, 16032}, {3, 32064},
+      {3, 128256}, {1, 262144}, {2, 262150}, {0, 1000},    {50, 4096}, {50, 4104}};
   for (DType d : {DType::f32, DType::bf16, DType::f16})
     for (auto [n, v] : shapes) {
       Case c = base("sweep", d, n, v);
@@ -605,7 +612,8 @@ TEST(CudaBackend, BadTargetIsReported) {
 
     // The outputs of such a run, without the throwing check.
     xent::Group g = xent::Group::local(Backend::cuda, 0);
-    DevBuf d_logits(in.logits.size()), d_t(in.targets.size()), d_loss(c.rows * 4), d_lse(c.rows * 4);
+    DevBuf d_logits(in.logits.size()), d_t(in.targets.size()), d_loss(c.rows * 4),
+        d_lse(c.rows * 4);
     d_logits.up(in.logits.data());
     d_t.up(in.targets.data());
     xent::LogitsView lv{d_logits.p, c.dtype, c.rows, c.cols, c.cols};
@@ -804,8 +812,9 @@ TEST(CudaBackend, TwoRanksMatchCpu) {
             std::vector<uint8_t> shard(N * S * 2);
             for (int64_t i = 0; i < N; ++i)
               for (int64_t j = 0; j < S; ++j) {
-                const float v = j < W ? load_as_float(dt, &full.logits[(i * c.stride() + k * W + j) * 2])
-                                      : 99.0f;
+                const float v =
+                    j < W ? load_as_float(dt, &full.logits[(i * c.stride() + k * W + j) * 2])
+                          : 99.0f;
                 store_from_float(dt, &shard[(i * S + j) * 2], v);
               }
             RankOut& r = res[k];
@@ -824,8 +833,8 @@ TEST(CudaBackend, TwoRanksMatchCpu) {
               xent::backward(g, lv, tv, out.lse, &go, o);
               r.grad = shard;
             } else {
-              DevBuf d_x(shard.size()), d_t(N * 8), d_loss(4), d_lse(N * 4), d_am(N * 8),
-                  d_acc(4), d_go(4);
+              DevBuf d_x(shard.size()), d_t(N * 8), d_loss(4), d_lse(N * 4), d_am(N * 8), d_acc(4),
+                  d_go(4);
               d_x.up(shard.data());
               d_t.up(t.data());
               d_go.up(&go);
@@ -858,22 +867,27 @@ TEST(CudaBackend, TwoRanksMatchCpu) {
     const auto cpu = run_ranks(Backend::cpu);
     const auto gpu = run_ranks(Backend::cuda);
     for (int k = 0; k < ranks; ++k) {
-      SCOPED_TRACE("rank " + std::to_string(k) + (mode == GradMode::fused ? " fused" : " deferred"));
+      SCOPED_TRACE("rank " + std::to_string(k) +
+                   (mode == GradMode::fused ? " fused" : " deferred"));
       EXPECT_EQ(std::memcmp(&gpu[k].loss, &gpu[0].loss, 4), 0) << "ranks disagree on the loss";
       EXPECT_NEAR(gpu[k].loss, cpu[k].loss, 2e-5 * std::max(1.0f, std::fabs(cpu[k].loss)));
       EXPECT_NEAR(gpu[k].acc, cpu[k].acc, 1e-6);
       int bad = 0;
       for (int64_t i = 0; i < N; ++i) {
-        if (std::fabs(gpu[k].lse[i] - cpu[k].lse[i]) > 2e-5 * std::max(1.0f, std::fabs(cpu[k].lse[i])))
+        if (std::fabs(gpu[k].lse[i] - cpu[k].lse[i]) >
+            2e-5 * std::max(1.0f, std::fabs(cpu[k].lse[i])))
           ++bad;
         if (gpu[k].argmax[i] != cpu[k].argmax[i]) ++bad;
         double rowmax = 0;
         for (int64_t j = 0; j < W; ++j)
-          rowmax = std::max(rowmax, std::fabs((double)load_as_float(dt, &cpu[k].grad[(i * S + j) * 2])));
+          rowmax =
+              std::max(rowmax, std::fabs((double)load_as_float(dt, &cpu[k].grad[(i * S + j) * 2])));
         for (int64_t j = 0; j < S; ++j) {
           const double a = load_as_float(dt, &gpu[k].grad[(i * S + j) * 2]);
           const double b = load_as_float(dt, &cpu[k].grad[(i * S + j) * 2]);
-          if (!close(a, b, 1e-5 * rowmax + 2e-5 * std::fabs(b) + 1.01 * ulp(dt, std::max(std::fabs(a), std::fabs(b)))))
+          if (!close(a, b,
+                     1e-5 * rowmax + 2e-5 * std::fabs(b) +
+                         1.01 * ulp(dt, std::max(std::fabs(a), std::fabs(b)))))
             ++bad;
         }
       }
