@@ -121,6 +121,9 @@ class Group {
   // Allocates the scratch for up to `rows` rows now, so that later calls (and CUDA graph
   // capture) allocate nothing.
   void reserve(int64_t rows, const Options& opt) const;
+  // Bytes of scratch the group holds now (host or device, as its backend): the only memory
+  // xent allocates beyond the caller's inputs and outputs.
+  size_t workspace_bytes() const;
   // CUDA backend: waits for `stream`, then throws xent::Error if a kernel since the last check
   // saw a target outside [0, vocab_size) that is not ignore_index (those rows' loss is NaN).
   // The CPU backend throws at once, so this is a no-op there.
