@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What CI cannot run: on a GPU machine, build, run every test (GPU ones included), the NCCL dist
 # tests on all GPUs, compute-sanitizer on a representative subset, and the benchmark.
-# Logs and JSON go to $XENT_LOGS (default: gpu-logs/). Usage: bash launch/gpu_check.sh [quick]
+# Logs go to $XENT_LOGS (default: gpu-logs/); XENT_SANITIZE=0 skips the sanitizers and
+# XENT_CMAKE_ARGS adds configure arguments. Usage: bash launch/gpu_check.sh
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 logs=${XENT_LOGS:-$root/gpu-logs}
@@ -26,6 +27,7 @@ if [ "$ngpu" -ge 2 ]; then
     >"$logs/dist_nccl.log" 2>&1 || status=1
   grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl.log" | sort | uniq -c
 fi
+[ "${XENT_SANITIZE:-1}" = 0 ] && exit $status
 echo "== compute-sanitizer"
 for tool in memcheck racecheck; do
   compute-sanitizer --tool "$tool" --error-exitcode 9 "$root/build/tests/gpu/xent_gpu_tests" \

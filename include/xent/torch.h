@@ -1,0 +1,86 @@
+// xent for LibTorch: vocab-parallel cross-entropy as an autograd-aware function of torch tensors,
+// over a c10d ProcessGroup. Built only with -DXENT_WITH_TORCH=ON (library xent_torch, which also
+// registers the operator torch.ops.xent.vocab_parallel_cross_entropy; see docs/torch.md).
+//
+//   auto r = xent::torch::vocab_parallel_cross_entropy(logits_shard, target, tp_group, opt);
+//   r.loss.backward();   // d loss / d logits_shard, this rank's columns only
+//
+// CUDA tensors go through the group's NCCL communicator (ProcessGroupNCCL, adopted: no second
+// communicator is created) on the current CUDA stream; CPU tensors through the CPU backend, whose
+// few bytes per row travel by the group's own all-gather (Gloo, for instance).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "xent/xent.h"
+
+namespace xent::torch {
+
+struct CrossEntropyOptions {
+  int64_t ignore_index = -100;   // rows with this target: loss 0, gradient 0, not in the mean
+  double label_smoothing = 0.0;  // in [0, 1), as torch.nn.functional.cross_entropy defines it
+  double z_loss = 0.0;           // weight w >= 0 of w * lse^2, added to each row's loss
+  double softcap = 0.0;          // > 0: logits become c * tanh(x / c) first; 0: off
+  Reduction reduction = Reduction::mean;
+  // fused: forward also computes the gradient (for grad_output = 1); backward rescales it.
+  // deferred: forward only reads the logits; backward computes the gradient from the saved lse.
+  // none: no gradient at all (the loss does not require grad).
+  // Without autograd (the logits do not require grad, or grad mode is off) it is always none.
+  GradMode grad_mode = GradMode::fused;
+  // true: the gradient is written over the logits' own storage (no N x V copy): fused mode in
+  // forward, deferred mode in backward. The logits' version counter is bumped when that happens,
+  // so autograd refuses any later backward that needs their old values; the logits must not be a
+  // leaf (or a view of one). false: the gradient goes to a copy and the logits stay as they are.
+  bool inplace_grad = false;
+  // This rank's first global column. -1: computed once from all ranks' widths (the logits'
+  // columns, rank order) and cached per (group, width, vocab_size): a collective on first use.
+  int64_t vocab_start = -1;
+  // Real classes; columns at or past it are padding (gradient 0). -1: the sum of all ranks'
+  // widths (or, with an explicit vocab_start on one rank, vocab_start + columns).
+  int64_t vocab_size = -1;
+  bool return_lse = false;        // CrossEntropyResult::lse
+  bool return_z_loss = false;     // CrossEntropyResult::z_loss
+  bool compute_accuracy = false;  // CrossEntropyResult::argmax and ::accuracy
+};
+
+struct CrossEntropyResult {
+  at::Tensor loss;    // float32; [] for mean and sum, [rows] for none. The only differentiable one
+  at::Tensor lse;     // float32 [rows]: the global log-sum-exp of each row (return_lse)
+  at::Tensor z_loss;  // float32 [rows]: w * lse^2, 0 on ignored rows (return_z_loss)
+  at::Tensor argmax;  // int64 [rows]: the global argmax column (compute_accuracy)
+  at::Tensor accuracy;  // float32 []: share of non-ignored rows whose argmax is the target
+};
+
+// logits: [rows, this rank's columns], float32/bfloat16/float16, CPU or CUDA, contiguous in the
+// last dimension (any row stride). target: [rows] int64 or int32 global class ids, same device,
+// same on every rank. group: the tensor-parallel group (null: one rank, no communication).
+// Errors are c10::Error (RuntimeError in Python) naming the argument and the value.
+CrossEntropyResult vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                                const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                                const CrossEntropyOptions& options = {});
+
+// The loss only (CrossEntropyResult::loss).
+at::Tensor vocab_parallel_cross_entropy_loss(const at::Tensor& logits, const at::Tensor& target,
+                                             const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                             const CrossEntropyOptions& options = {});
+
+// The xent::Group used for `group` on `device` (created on first use and cached while the
+// process group lives, so that its workspace persists). For CUDA: the group's NCCL communicator
+// for that device, created (collectively) if the process group has not made it yet. Use it to
+// call Group::reserve before CUDA graph capture, or Group::check_errors.
+Group group_for(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device);
+
+// The core options equivalent to `options` for logits of `cols` columns on `group` (plans the
+// shard when vocab_start is -1, as the call itself would), e.g. for group_for(...).reserve().
+Options core_options(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
+                     int64_t cols, const CrossEntropyOptions& options);
+
+// "mean" / "sum" / "none" and "fused" / "deferred" / "none"; anything else is an error.
+Reduction parse_reduction(const std::string& name);
+GradMode parse_grad_mode(const std::string& name);
+
+}  // namespace xent::torch

@@ -1,0 +1,68 @@
+# shellcheck shell=bash
+# Sourced by the README's commands. Defines:
+#   xent_torch_cmake_args   prints the CMake arguments that build the LibTorch adapter
+#                           (src/torch, tests/torch), or nothing, so that the build goes on
+#                           without it.
+#
+# With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
+# CUDA and NCCL wheels; a few GB), then prints
+#   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
+#   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
+#   -DNCCL_INCLUDE_DIR=<.../include>
+# so that everything links the NCCL that PyTorch uses: a communicator adopted from PyTorch must be
+# driven by the library that made it (docs/torch.md). That NCCL ships only libnccl.so.2, which
+# find_library(NAMES nccl) does not find, hence the two cache variables. Messages go to stderr;
+# set XENT_TORCH=0 to skip the adapter altogether.
+
+xent_torch_say() { echo "[xent] $*" >&2; }
+
+xent_torch_cmake_args() {
+  if [ "${XENT_TORCH:-1}" = "0" ]; then
+    xent_torch_say "XENT_TORCH=0: building without the LibTorch adapter"
+    return 0
+  fi
+  if ! command -v python3 >/dev/null; then
+    xent_torch_say "no python3: building without the LibTorch adapter"
+    return 0
+  fi
+  if ! python3 -c 'import torch' >/dev/null 2>&1; then
+    local cmd="python3 -m pip install torch==2.11.0"
+    xent_torch_say "PyTorch is not importable: installing torch==2.11.0 from PyPI ($cmd)"
+    if ! $cmd >&2; then
+      xent_torch_say "pip could not install it as $(id -un) (see above); install it yourself, e.g. in a"
+      xent_torch_say "venv (python3 -m venv .venv && . .venv/bin/activate), then rerun: $cmd"
+      xent_torch_say "building without the LibTorch adapter"
+      return 0
+    fi
+  fi
+  local info
+  if ! info=$(python3 - <<'EOF' 2>/dev/null
+import os, torch
+prefix = torch.utils.cmake_prefix_path
+nccl = ""
+for base in [os.path.dirname(os.path.dirname(torch.__file__))]:
+    root = os.path.join(base, "nvidia", "nccl")
+    if os.path.isfile(os.path.join(root, "lib", "libnccl.so.2")):
+        nccl = root
+print(prefix)
+print(nccl)
+print(torch.__version__)
+EOF
+  ); then
+    xent_torch_say "could not ask PyTorch for its CMake prefix: building without the LibTorch adapter"
+    return 0
+  fi
+  local prefix nccl version
+  prefix=$(echo "$info" | sed -n 1p)
+  nccl=$(echo "$info" | sed -n 2p)
+  version=$(echo "$info" | sed -n 3p)
+  local args="-DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=$prefix"
+  if [ -n "$nccl" ]; then
+    args="$args -DXENT_NCCL_ROOT=$nccl -DNCCL_LIBRARY=$nccl/lib/libnccl.so.2"
+    args="$args -DNCCL_INCLUDE_DIR=$nccl/include"
+    xent_torch_say "LibTorch adapter on: PyTorch $version, its NCCL at $nccl"
+  else
+    xent_torch_say "LibTorch adapter on: PyTorch $version (no nvidia/nccl wheel found: the default NCCL is used)"
+  fi
+  echo "$args"
+}

@@ -1,0 +1,85 @@
+"""xent for PyTorch: loads libxent_torch.so, which registers torch.ops.xent.*.
+
+    import xent                                       # finds and loads the library
+    loss = xent.vocab_parallel_cross_entropy(logits_shard, target, group=tp_group)
+    # the same:  torch.ops.xent.vocab_parallel_cross_entropy(logits_shard, target, tp_group.group_name)
+
+The library is the first of: $XENT_TORCH_LIB (a path), libxent_torch.so next to this file, then
+build/ and build-torch/ of the repository this file lives in (src/torch/libxent_torch.so there).
+Build it with -DXENT_WITH_TORCH=ON (docs/torch.md). See docs/torch.md for the options.
+"""
+
+import os
+import pathlib
+
+import torch
+
+__all__ = ["check_errors", "library_path", "vocab_parallel_cross_entropy",
+           "vocab_parallel_cross_entropy_stats"]
+
+_NAME = "libxent_torch.so"
+
+
+def _candidates():
+    env = os.environ.get("XENT_TORCH_LIB")
+    if env:
+        yield pathlib.Path(env)
+        return
+    here = pathlib.Path(__file__).resolve().parent
+    yield here / _NAME
+    repo = here.parent.parent
+    for build in ("build", "build-torch"):
+        yield repo / build / "src" / "torch" / _NAME
+
+
+def library_path():
+    """The libxent_torch.so that `import xent` loads (raises if there is none)."""
+    tried = []
+    for path in _candidates():
+        if path.is_file():
+            return str(path)
+        tried.append(str(path))
+    raise ImportError(
+        "xent: libxent_torch.so not found (looked at: " + ", ".join(tried) + "); build it with "
+        "-DXENT_WITH_TORCH=ON (see docs/torch.md) or set XENT_TORCH_LIB to its path"
+    )
+
+
+torch.ops.load_library(library_path())
+
+
+def _name(group):
+    return "" if group is None else group.group_name
+
+
+def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-100,
+                                 label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
+                                 vocab_start=-1, vocab_size=-1, grad_mode="fused",
+                                 inplace_grad=False):
+    """The loss of this rank's logits shard [tokens, columns] against global targets [tokens].
+
+    group: the tensor-parallel ProcessGroup (None: one rank, no communication).
+    """
+    return torch.ops.xent.vocab_parallel_cross_entropy(
+        logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
+        vocab_start, vocab_size, grad_mode, inplace_grad)
+
+
+def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_index=-100,
+                                       label_smoothing=0.0, z_loss=0.0, softcap=0.0,
+                                       reduction="mean", vocab_start=-1, vocab_size=-1,
+                                       grad_mode="fused", inplace_grad=False,
+                                       compute_accuracy=False):
+    """(loss, lse, z_loss, argmax, accuracy); argmax and accuracy are empty unless asked."""
+    return torch.ops.xent.vocab_parallel_cross_entropy_stats(
+        logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
+        vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy)
+
+
+def check_errors(group=None, device=None):
+    """Waits for the current stream, then raises if a target was out of range in a call on
+    `group` and `device` (default: the current CUDA device) since the last check. The CUDA
+    backend gives such rows a NaN loss instead of stopping; the CPU backend raises at once."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.ops.xent.check_errors(_name(group), torch.device(device))
