@@ -47,15 +47,19 @@ size_t record_bytes(const Options& opt) {
 
 namespace {
 constexpr size_t kAlign = 256;
-size_t aligned(size_t n) {
+constexpr size_t aligned(size_t n) {
   return (n + kAlign - 1) / kAlign * kAlign;
 }
+// Where Workspace::partials (its counter first) starts: after the error slot and the scalars.
+constexpr size_t kCounterOffset =
+    aligned(2 * sizeof(int64_t)) + aligned(sizeof(float) * Workspace::kScalars);
 }  // namespace
 
 size_t Workspace::bytes_needed(int64_t rows, int fields, int ranks) {
   const size_t r = static_cast<size_t>(rows);
   const size_t record = aligned(sizeof(float) * fields * r);
   return aligned(2 * sizeof(int64_t)) + aligned(sizeof(float) * kScalars) +
+         aligned(sizeof(unsigned long long) * (1 + 3 * kPartials)) +
          record * (ranks > 1 ? 1 + ranks : 1) + aligned(sizeof(float) * r);
 }
 
@@ -85,15 +89,21 @@ void Workspace::prepare(int64_t rows, int fields, int ranks) {
       }
       comm::check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
       comm::check_cuda(cudaMemset(base, 0xff, 2 * sizeof(int64_t)), "cudaMemset (error slot)");
+      comm::check_cuda(
+          cudaMemset(static_cast<char*>(base) + kCounterOffset, 0, sizeof(unsigned long long)),
+          "cudaMemset (finalize block counter)");
     }
     capacity = need;
   }
-  // The error slot and the scalars come first so that they stay put when rows change.
+  // The error slot, the scalars and the finalize counter come first so that they stay put when
+  // rows change.
   char* p = static_cast<char*>(base);
   error = reinterpret_cast<int64_t*>(p);
   p += aligned(2 * sizeof(int64_t));
   scalars = reinterpret_cast<float*>(p);
   p += aligned(sizeof(float) * kScalars);
+  partials = reinterpret_cast<unsigned long long*>(p);
+  p += aligned(sizeof(unsigned long long) * (1 + 3 * kPartials));
   const size_t record = aligned(sizeof(float) * fields * static_cast<size_t>(rows));
   send = reinterpret_cast<float*>(p);
   p += record;
@@ -313,7 +323,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   }
   cuda::stats(p, logits, targets, ws.send, ws.error, stream);
   if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
-  cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, stream);
+  cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
   if (opt.grad_mode == GradMode::fused)
     cuda::gradient(p, logits, targets, lse, ws.scalars, nullptr, stream);
 }

