@@ -304,7 +304,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
     if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
     cpu::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars);
     if (opt.grad_mode == GradMode::fused)
-      cpu::gradient(p, logits, targets, lse, ws.scalars, nullptr);
+      cpu::gradient(p, logits, logits, targets, lse, ws.scalars, nullptr);
     return;
   }
 
@@ -325,33 +325,45 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
   if (opt.grad_mode == GradMode::fused)
-    cuda::gradient(p, logits, targets, lse, ws.scalars, nullptr, stream);
+    cuda::gradient(p, logits, logits, targets, lse, ws.scalars, nullptr, stream);
 }
 
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
               const float* grad_output, const Options& opt, cudaStream_t stream) {
+  if (opt.grad_mode != GradMode::fused) {  // deferred in place; none throws there
+    backward(group, logits, logits, targets, lse, grad_output, opt, stream);
+    return;
+  }
+  const core::Problem p = core::make_problem(logits, targets, opt);
+  if (grad_output == nullptr || p.rows == 0) return;  // the gradient is already final
+  if (group.backend() == Backend::cpu)
+    cpu::scale_rows(p, logits, grad_output);
+  else
+    cuda::scale_rows(p, logits, grad_output, stream);
+}
+
+void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsView targets,
+              const float* lse, const float* grad_output, const Options& opt, cudaStream_t stream) {
   const core::Problem p = core::make_problem(logits, targets, opt);
   if (opt.grad_mode == GradMode::none)
     core::fail("backward with grad_mode = none: forward computed no gradient");
-  const bool on_cpu = group.backend() == Backend::cpu;
-  if (opt.grad_mode == GradMode::fused) {
-    if (grad_output == nullptr || p.rows == 0) return;  // the gradient is already final
-    if (on_cpu)
-      cpu::scale_rows(p, logits, grad_output);
-    else
-      cuda::scale_rows(p, logits, grad_output, stream);
-    return;
-  }
+  if (opt.grad_mode != GradMode::deferred)
+    core::fail(std::string("backward(logits, grad, ...) with grad_mode = ") +
+               to_string(opt.grad_mode) +
+               ": the out-of-place backward needs grad_mode = deferred (a fused forward already "
+               "wrote the gradient over the logits; use backward(logits, ...) for it)");
+  core::check_grad(p, logits, grad);
   if (lse == nullptr && p.rows > 0)
     core::fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
   Workspace& ws = group.workspace();
   ws.prepare(p.rows, p.layout.fields, group.size());
-  if (on_cpu) {
+  if (group.backend() == Backend::cpu) {
     cpu::count_valid(p, targets, ws.scalars);
-    cpu::gradient(p, logits, targets, lse, ws.scalars, grad_output);
+    cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output);
   } else {
+    if (p.rows > 0 && grad.data != logits.data) check_placement(group, grad.data, "grad.data");
     cuda::count_valid(p, targets, ws.scalars, stream);
-    cuda::gradient(p, logits, targets, lse, ws.scalars, grad_output, stream);
+    cuda::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, stream);
   }
 }
 

@@ -1,6 +1,6 @@
 // The steps every backend implements; api.cpp drives them in this order:
 //   forward:  stats -> Communicator::all_gather(records) -> finalize [-> gradient (fused)]
-//   backward: gradient (deferred) | scale_rows (fused)
+//   backward: gradient (deferred; in place or into a separate buffer) | scale_rows (fused)
 // All pointers live where the backend computes (host for cpu, device for cuda).
 #pragma once
 
@@ -48,10 +48,12 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 // Global lse, losses, reduction, accuracy; writes ws.lse-or-out.lse and ws.scalars.
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars);
-// grad = row_scale * d loss / d x, in place of logits; row_scale = scalars[kScale] times
-// grad_output (scalar, or per row for Reduction::none; nullptr means 1).
-void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
-              const float* scalars, const float* grad_output);
+// out = row_scale * d loss / d x, x read from `in`; row_scale = scalars[kScale] times
+// grad_output (scalar, or per row for Reduction::none; nullptr means 1). `in` and `out` have
+// p's rows and cols, each its own row_stride; out may be in (same data and stride: in place),
+// else they do not overlap.
+void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+              const float* lse, const float* scalars, const float* grad_output);
 // Fused backward: multiplies each row of the gradient by grad_output where it is not 1.
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output);
 // Counts non-ignored rows into scalars[kValid] and sets scalars[kScale] (deferred backward).
@@ -67,8 +69,9 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
               cudaStream_t stream);
-void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
-              const float* scalars, const float* grad_output, cudaStream_t stream);
+void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+              const float* lse, const float* scalars, const float* grad_output,
+              cudaStream_t stream);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
 void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream);

@@ -34,7 +34,9 @@ struct CrossEntropyOptions {
   // true: the gradient is written over the logits' own storage (no N x V copy): fused mode in
   // forward, deferred mode in backward. The logits' version counter is bumped when that happens,
   // so autograd refuses any later backward that needs their old values; the logits must not be a
-  // leaf (or a view of one). false: the gradient goes to a copy and the logits stay as they are.
+  // leaf (or a view of one). false: forward runs deferred (whatever grad_mode says) and never
+  // writes the logits; backward reads them once and writes the gradient into a new tensor (no
+  // copy of the logits).
   bool inplace_grad = false;
   // This rank's first global column. -1: computed once from all ranks' widths (the logits'
   // columns, rank order) and cached per (group, width, vocab_size): a collective on first use.

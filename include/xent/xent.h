@@ -32,7 +32,8 @@ enum class Reduction { none, mean, sum };
 // fused: forward writes the gradient (for grad_output = 1) into the logits buffer, and backward
 //        only rescales by grad_output where it is not 1.
 // deferred: forward leaves the logits untouched; backward reads them once and writes the
-//        gradient once, grad_output applied before the single rounding to the logits' dtype.
+//        gradient once (over the logits, or into a separate buffer), grad_output applied before
+//        the single rounding to the logits' dtype.
 // none: forward only, no gradient.
 enum class GradMode { fused, deferred, none };
 
@@ -161,9 +162,20 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
 // fused: `logits` holds forward's gradient; rows are rescaled by grad_output where it is not 1
 //        (decided on the device). deferred: `logits` holds the logits; `lse` is forward's
-//        Outputs::lse; the gradient overwrites the logits. none: throws.
+//        Outputs::lse; the gradient overwrites the logits (the out-of-place backward below with
+//        grad = logits). none: throws.
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
               const float* grad_output, const Options& opt, cudaStream_t stream = nullptr);
+
+// Out-of-place backward, GradMode::deferred only (fused and none throw): reads `logits` once and
+// writes the gradient once into `grad`, grad_output applied before the single rounding; the
+// logits are left untouched. `grad` has the logits' dtype, rows and cols, its own row_stride
+// (>= cols; the columns between cols and row_stride are not written), and lives where the logits
+// do. It may alias the logits exactly (same data and row_stride: the in-place backward above);
+// otherwise the address ranges of the two (first to last element) must not intersect.
+void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsView targets,
+              const float* lse, const float* grad_output, const Options& opt,
+              cudaStream_t stream = nullptr);
 
 // Bytes of the per-row stats record exchanged for these options (the all-gather moves
 // rows * record_bytes * ranks).

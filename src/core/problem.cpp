@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 namespace xent::core {
 
@@ -66,6 +67,34 @@ void check_outputs(const Problem& p, const Options& opt, const Outputs& out) {
     fail("outputs.lse is null with grad_mode = deferred: backward needs forward's lse");
   if ((out.argmax != nullptr || out.accuracy != nullptr) && !opt.compute_accuracy)
     fail("outputs.argmax/accuracy given with compute_accuracy = false: set it to true");
+}
+
+void check_grad(const Problem& p, LogitsView logits, LogitsView grad) {
+  if (grad.dtype != logits.dtype)
+    fail(cat("grad.dtype = ", to_string(grad.dtype),
+             ": must equal logits.dtype = ", to_string(logits.dtype)));
+  if (grad.rows != logits.rows)
+    fail(cat("grad.rows = ", grad.rows, ": must equal logits.rows = ", logits.rows));
+  if (grad.cols != logits.cols)
+    fail(cat("grad.cols = ", grad.cols, ": must equal logits.cols = ", logits.cols));
+  if (grad.row_stride < grad.cols)
+    fail(cat("grad.row_stride = ", grad.row_stride, ": must be >= grad.cols = ", grad.cols));
+  if (p.rows == 0) return;
+  if (grad.data == nullptr) fail(cat("grad.data is null with grad.rows = ", grad.rows));
+  if (grad.data == logits.data && grad.row_stride == logits.row_stride) return;  // in place
+  // [first, last] byte of each: rows and strides as given (conservative for interleaved rows).
+  const auto range = [&](const LogitsView& v) {
+    const auto first = reinterpret_cast<uintptr_t>(v.data);
+    const auto elems = static_cast<uintptr_t>((v.rows - 1) * v.row_stride + v.cols);
+    return std::pair<uintptr_t, uintptr_t>{first, first + elems * dtype_size(v.dtype) - 1};
+  };
+  const auto [g0, g1] = range(grad);
+  const auto [l0, l1] = range(logits);
+  if (g0 <= l1 && l0 <= g1)
+    fail(cat("grad (data = ", grad.data, ", row_stride = ", grad.row_stride,
+             ") overlaps logits (data = ", logits.data, ", row_stride = ", logits.row_stride,
+             ") partially: grad must either be exactly the logits (same data and row_stride, the "
+             "in-place backward) or not overlap their address range at all"));
 }
 
 LayoutHeader make_header(const Problem& p, const Options& opt) {

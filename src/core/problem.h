@@ -28,6 +28,10 @@ struct Problem {
 // Throws xent::Error naming the argument, the value and the rule.
 Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt);
 void check_outputs(const Problem& p, const Options& opt, const Outputs& out);
+// The out-of-place backward's `grad` against the logits of `p`: same dtype, rows and cols, its
+// own row_stride >= cols, and either exactly the logits (same data and row_stride) or no
+// intersection of the two address ranges.
+void check_grad(const Problem& p, LogitsView logits, LogitsView grad);
 
 // A fingerprint of everything all ranks must agree on (rows, vocab_size, options), exchanged by
 // the layout checks.

@@ -77,25 +77,28 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
   scalars[Workspace::kValid] = static_cast<float>(valid);
 }
 
-void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
-              const float* scalars, const float* grad_output) {
-  core::dispatch_dtype(logits.dtype, [&](auto e) {
+void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+              const float* lse, const float* scalars, const float* grad_output) {
+  core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
-    auto* base = static_cast<typename E::type*>(logits.data);
+    using T = typename E::type;
+    const auto* src = static_cast<const T*>(in.data);
+    auto* dst = static_cast<T*>(out.data);
     for (int64_t r = 0; r < p.rows; ++r) {
-      auto* row = base + r * p.row_stride;
+      const T* x = src + r * in.row_stride;
+      T* g = dst + r * out.row_stride;
       const int64_t target = core::load_target(targets.data, targets.type, r);
       if (ignored(p, target)) {
-        std::fill(row, row + p.cols, E::store(0.0f));
+        std::fill(g, g + p.cols, E::store(0.0f));
         continue;
       }
       const float scale = scalars[Workspace::kScale] * grad_output_of(p, grad_output, r);
       const core::GradCoef c = core::grad_coef(lse[r], scale, p.smoothing, p.inv_vocab, p.z_loss);
       for (int64_t j = 0; j < p.real_cols; ++j) {
-        const float z = core::softcap(E::load(row[j]), p.softcap);
-        row[j] = E::store(core::grad_x(z, p.vocab_start + j == target, c, p.softcap));
+        const float z = core::softcap(E::load(x[j]), p.softcap);
+        g[j] = E::store(core::grad_x(z, p.vocab_start + j == target, c, p.softcap));
       }
-      std::fill(row + p.real_cols, row + p.cols, E::store(0.0f));
+      std::fill(g + p.real_cols, g + p.cols, E::store(0.0f));
     }
   });
 }

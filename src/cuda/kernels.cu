@@ -5,7 +5,9 @@
 //     fp32 columns: 8 rows per block), else by the whole block (a block per row);
 //   - each thread keeps kU = 4 16-byte loads in flight before it uses any of them;
 //   - the gradient kernel walks the rows last to first, so the rows the stats kernel read last
-//     are still in L2 when it starts;
+//     are still in L2 when it starts; it stores 16-byte packs at the output row's alignment and
+//     loads 16-byte packs too where the input row has the same alignment modulo 16 bytes (always
+//     in place; out of place with equal strides and aligned bases), else element by element;
 //   - finalize is one 256-thread block per 256 rows (at most Workspace::kPartials blocks, a
 //     number that depends on rows alone); each block reduces its rows' totals in a fixed shape
 //     into Workspace::partials, and the last block to finish (a self-resetting counter) reduces
@@ -119,12 +121,12 @@ void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned
 }
 
 // Rows and columns as the kernels index them: columns in int (checked), rows in int64.
-void check_shape(const core::Problem& p, LogitsView logits) {
+void check_shape(const core::Problem& p, LogitsView logits, const char* name = "logits") {
   if (p.cols > INT_MAX - 64)
-    throw Error("xent: logits.cols = " + std::to_string(p.cols) +
+    throw Error(std::string("xent: ") + name + ".cols = " + std::to_string(p.cols) +
                 ": the CUDA backend takes at most 2^31 - 65 columns per shard");
   if (reinterpret_cast<uintptr_t>(logits.data) % dtype_size(logits.dtype) != 0)
-    throw Error(std::string("xent: logits.data is not aligned to its element size (") +
+    throw Error(std::string("xent: ") + name + ".data is not aligned to its element size (" +
                 to_string(logits.dtype) + ")");
 }
 
@@ -334,9 +336,11 @@ __global__ void __launch_bounds__(kBlock, kPlain ? 4 : 3) stats_kernel(const Sta
 // ------------------------------------------------------------------------------- gradient
 
 struct GradArgs {
-  void* data;
+  const void* in;  // the logits
+  int64_t in_stride;
+  void* out;  // the gradient: the logits themselves (in place), or a buffer that does not overlap
+  int64_t out_stride;
   int64_t rows;
-  int64_t stride;
   int cols;
   int real_cols;
   int64_t vocab_start;
@@ -354,19 +358,55 @@ struct GradArgs {
   float cap;
 };
 
+// The body of an output row split at s (its 16-byte packs q): the packs of the input row x are
+// 16-byte loads when kAligned (x + s.head is 16-byte aligned too: always so in place), else kN
+// element loads each. kU packs in flight per thread either way; every store is a 16-byte pack.
+template <typename E, int kGroup, bool kAligned, typename F>
+__device__ __forceinline__ void gradient_packs(const typename E::type* x, uint4* q,
+                                               const RowSplit& s, int t, F grad) {
+  using T = typename E::type;
+  constexpr int kN = Pack<T>::kN;
+  const T* xb = x + s.head;
+  for (int i0 = t; i0 < s.nv; i0 += kGroup * kU) {
+    Pack<T> v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = i0 + u * kGroup;
+      if (i < s.nv) {
+        if constexpr (kAligned) {
+          v[u].v = reinterpret_cast<const uint4*>(xb)[i];
+        } else {
+#pragma unroll
+          for (int e = 0; e < kN; ++e) v[u].e[e] = xb[i * kN + e];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int i = i0 + u * kGroup;
+      if (i < s.nv) {
+        const int col0 = s.head + i * kN;
+#pragma unroll
+        for (int e = 0; e < kN; ++e) v[u].e[e] = E::store(grad(E::load(v[u].e[e]), col0 + e));
+        q[i] = v[u].v;
+      }
+    }
+  }
+}
+
 template <typename E, int kGroup, bool kCap>
 __global__ void __launch_bounds__(kBlock, 4) gradient_kernel(const GradArgs a) {
   using T = typename E::type;
-  constexpr int kN = Pack<T>::kN;
   pdl_trigger();
   pdl_wait();
   const int64_t g = static_cast<int64_t>(blockIdx.x) * (kBlock / kGroup) + threadIdx.x / kGroup;
   if (g >= a.rows) return;
   const int64_t row = a.rows - 1 - g;  // last row first: it is the likeliest to be in L2
   const int t = static_cast<int>(threadIdx.x % kGroup);
-  T* p = static_cast<T*>(a.data) + row * a.stride;
+  const T* x = static_cast<const T*>(a.in) + row * a.in_stride;
+  T* p = static_cast<T*>(a.out) + row * a.out_stride;
   const int n = a.cols;
-  const RowSplit s = split_row(p, n);
+  const RowSplit s = split_row(p, n);  // the output's split: every pack store is aligned
   uint4* q = reinterpret_cast<uint4*>(p + s.head);
 
   const int64_t target = core::load_target(a.targets, a.ttype, row);
@@ -385,33 +425,21 @@ __global__ void __launch_bounds__(kBlock, 4) gradient_kernel(const GradArgs a) {
   const int64_t l = target - a.vocab_start;
   const int tl = (l >= 0 && l < a.real_cols) ? static_cast<int>(l) : -1;
   const int rc = a.real_cols;
-  auto grad = [&](float x, int col) {
-    return col < rc ? core::grad_x(core::softcap(x, cap), col == tl, c, cap) : 0.0f;
+  auto grad = [&](float v, int col) {
+    return col < rc ? core::grad_x(core::softcap(v, cap), col == tl, c, cap) : 0.0f;
   };
 
-  if (t < s.head) p[t] = E::store(grad(E::load(p[t]), t));
+  if (t < s.head) p[t] = E::store(grad(E::load(x[t]), t));
   if (t < n - s.tail0) {
     const int col = s.tail0 + t;
-    p[col] = E::store(grad(E::load(p[col]), col));
+    p[col] = E::store(grad(E::load(x[col]), col));
   }
-  for (int i0 = t; i0 < s.nv; i0 += kGroup * kU) {
-    Pack<T> v[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = i0 + u * kGroup;
-      if (i < s.nv) v[u].v = q[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int i = i0 + u * kGroup;
-      if (i < s.nv) {
-        const int col0 = s.head + i * kN;
-#pragma unroll
-        for (int e = 0; e < kN; ++e) v[u].e[e] = E::store(grad(E::load(v[u].e[e]), col0 + e));
-        q[i] = v[u].v;
-      }
-    }
-  }
+  // Same offset modulo 16 bytes (the common case: in place, or equal strides and alignment):
+  // 16-byte loads as well.
+  if (((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(p)) & 15u) == 0)
+    gradient_packs<E, kGroup, true>(x, q, s, t, grad);
+  else
+    gradient_packs<E, kGroup, false>(x, q, s, t, grad);
 }
 
 // ----------------------------------------------------------------------------- scale_rows
@@ -650,13 +678,17 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
          stream, a, partials);
 }
 
-void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, const float* lse,
-              const float* scalars, const float* grad_output, cudaStream_t stream) {
+void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+              const float* lse, const float* scalars, const float* grad_output,
+              cudaStream_t stream) {
   if (p.rows == 0) return;
-  check_shape(p, logits);
-  GradArgs a{logits.data,
+  check_shape(p, in);
+  if (out.data != in.data) check_shape(p, out, "grad");
+  GradArgs a{in.data,
+             in.row_stride,
+             out.data,
+             out.row_stride,
              p.rows,
-             p.row_stride,
              static_cast<int>(p.cols),
              static_cast<int>(p.real_cols),
              p.vocab_start,
@@ -673,7 +705,7 @@ void gradient(const core::Problem& p, LogitsView logits, TargetsView targets, co
              p.z_loss,
              p.softcap};
   const bool cap = p.softcap > 0.0f;
-  core::dispatch_dtype(logits.dtype, [&](auto e) {
+  core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
     using T = typename E::type;
     const unsigned blocks = row_blocks<T>(p.rows, p.cols);

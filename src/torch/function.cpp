@@ -1,5 +1,6 @@
-// vocab_parallel_cross_entropy on torch tensors: input checks, the autograd function (both
-// gradient modes, in place only when asked), the outputs allocated with torch.
+// vocab_parallel_cross_entropy on torch tensors: input checks, the autograd function (in place
+// only when asked: fused or deferred over the logits; otherwise a deferred forward and a backward
+// that writes the gradient into a new tensor), the outputs allocated with torch.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
@@ -88,7 +89,7 @@ struct Forward {
   at::Tensor loss, lse, z_loss, argmax, accuracy;
 };
 
-// One forward over `buf` (the logits, or their copy) with outputs allocated on its device.
+// One forward over `buf` (the logits) with outputs allocated on its device.
 Forward run_forward(const Group& group, const at::Tensor& buf, const at::Tensor& target,
                     const Options& opt, bool want_lse, bool want_z_loss) {
   const int64_t n = buf.size(0);
@@ -118,10 +119,10 @@ Forward run_forward(const Group& group, const at::Tensor& buf, const at::Tensor&
 // What backward needs besides the saved tensors.
 struct Call : ::torch::CustomClassHolder {
   Group group;
-  Options opt;
+  Options opt;  // grad_mode as run: deferred whenever inplace is false
   bool inplace = false;
   bool want_lse = false, want_z_loss = false;
-  bool consumed = false;  // the saved buffer now holds the final gradient
+  bool consumed = false;  // the logits now hold the final gradient (in place only)
   explicit Call(Group g) : group(std::move(g)) {}
 };
 
@@ -130,17 +131,18 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
   // Outputs: loss, then lse, z_loss, argmax, accuracy where asked (in that order).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const at::Tensor& target, const c10::intrusive_ptr<Call>& call) {
+    // fused (only in place): forward writes the gradient over the logits. deferred: forward
+    // only reads them, and backward writes the gradient over them (in place) or into a new
+    // tensor (the out-of-place backward: no copy of the logits, which stay as they are).
     const bool fused = call->opt.grad_mode == GradMode::fused;
-    // fused: the gradient is written by forward, into the logits (opted in) or a copy of them.
-    at::Tensor buf = logits;
-    if (fused && !call->inplace) buf = logits.clone(at::MemoryFormat::Contiguous);
-    Forward f = run_forward(call->group, buf, target, call->opt, call->want_lse, call->want_z_loss);
-    if (fused && call->inplace) ::torch::autograd::impl::bump_version(logits);
+    Forward f =
+        run_forward(call->group, logits, target, call->opt, call->want_lse, call->want_z_loss);
+    if (fused) ::torch::autograd::impl::bump_version(logits);
 
     ctx->saved_data["call"] = c10::IValue::make_capsule(call);
     // Saved after the bump: autograd's version check then catches any later in-place change.
     if (fused)
-      ctx->save_for_backward({buf, target});
+      ctx->save_for_backward({logits, target});
     else
       ctx->save_for_backward({logits, target, f.lse});
 
@@ -161,10 +163,9 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
     auto call = c10::static_intrusive_pointer_cast<Call>(ctx->saved_data["call"].toCapsule());
     TORCH_CHECK(!call->consumed,
                 "xent: backward through vocab_parallel_cross_entropy a second time, but the "
-                "first one turned the saved buffer into the gradient (grad_mode = ",
+                "first one turned the logits into the gradient (grad_mode = ",
                 to_string(call->opt.grad_mode), ", inplace_grad = ", call->inplace,
-                "); to backward more than once use grad_mode = deferred with inplace_grad = "
-                "false");
+                "); to backward more than once use inplace_grad = false");
     const variable_list saved = ctx->get_saved_variables();  // checks the versions
     const at::Tensor& target = saved[1];
     const at::Device device = saved[0].device();
@@ -175,7 +176,7 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
 
     at::Tensor grad;
     if (call->opt.grad_mode == GradMode::fused) {
-      grad = saved[0].detach();  // the logits (in place) or their copy, holding the gradient
+      grad = saved[0].detach();  // the logits, holding the gradient
       detail::core_call([&] {
         xent::backward(call->group, view_of(grad), view_of_targets(target), nullptr, go_ptr,
                        call->opt, stream_of(device));
@@ -183,17 +184,24 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
       call->consumed = true;
       ::torch::autograd::impl::bump_version(grad);
     } else {
-      const at::Tensor& logits = saved[0];
-      grad = call->inplace ? logits.detach() : logits.detach().clone(at::MemoryFormat::Contiguous);
+      const at::Tensor logits = saved[0].detach();
       const at::Tensor& lse = saved[2];
-      detail::core_call([&] {
-        xent::backward(call->group, view_of(grad), view_of_targets(target),
-                       lse.numel() > 0 ? lse.data_ptr<float>() : nullptr, go_ptr, call->opt,
-                       stream_of(device));
-      });
+      const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
       if (call->inplace) {
+        grad = logits;
+        detail::core_call([&] {
+          xent::backward(call->group, view_of(grad), view_of_targets(target), lse_ptr, go_ptr,
+                         call->opt, stream_of(device));
+        });
         call->consumed = true;
         ::torch::autograd::impl::bump_version(grad);  // shares the logits' version counter
+      } else {
+        // A new contiguous tensor, written once; the logits are only read.
+        grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+        detail::core_call([&] {
+          xent::backward(call->group, view_of(logits), view_of(grad), view_of_targets(target),
+                         lse_ptr, go_ptr, call->opt, stream_of(device));
+        });
       }
     }
     if (::torch::autograd::GradMode::is_enabled()) {
@@ -245,6 +253,9 @@ CrossEntropyResult vocab_parallel_cross_entropy(const at::Tensor& logits,
   }
   auto call = c10::make_intrusive<Call>(group);
   call->opt = opt;
+  // Not in place: a deferred forward (nothing written) and an out-of-place backward, whichever
+  // mode was asked for; the gradient is the same up to rounding (one rounding, not two).
+  if (!o.inplace_grad) call->opt.grad_mode = GradMode::deferred;
   call->inplace = o.inplace_grad;
   call->want_lse = o.return_lse;
   call->want_z_loss = o.return_z_loss;

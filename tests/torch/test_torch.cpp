@@ -263,13 +263,62 @@ TEST(TorchAutograd, SecondBackward) {
       o.inplace_grad = inplace;
       const at::Tensor loss = vocab_parallel_cross_entropy(x, y, kNoGroup, o).loss;
       loss.backward({}, /*retain_graph=*/true);
-      if (mode == xent::GradMode::deferred && !inplace) {
+      if (!inplace) {  // the logits are only read: backward can run again
         const at::Tensor g1 = leaf.grad().clone();
         loss.backward();
         EXPECT_TRUE(matches(leaf.grad(), 2 * g1, 1e-6, "two backwards accumulate"));
       } else {
-        expect_error([&] { loss.backward(); }, {"a second time", "grad_mode = deferred"});
+        expect_error([&] { loss.backward(); }, {"a second time", "inplace_grad = false"});
       }
+    }
+  }
+}
+
+TEST(TorchAutograd, NotInPlaceNeverWritesNorCopiesTheLogits) {
+  // inplace_grad = false, either mode: forward is deferred (writes nothing), backward reads the
+  // logits once and writes the gradient into a new contiguous tensor. The logits stay bit for
+  // bit, their version counter never moves (nothing wrote them), and the gradient is bitwise the
+  // in-place deferred one (one rounding: a fused gradient in a copy, rescaled by grad_output,
+  // would be rounded twice).
+  std::vector<at::Device> devices{at::Device(at::kCPU)};
+  if (have_gpu()) devices.emplace_back(at::kCUDA, 0);
+  for (const at::Device& dev : devices) {
+    const auto topt = at::TensorOptions().device(dev);
+    const at::Tensor y = at::randint(0, 60, {24}, topt.dtype(at::kLong));
+    const at::Tensor w0 = at::randn({24, 67}, topt).to(at::kBFloat16);
+    for (auto mode : {xent::GradMode::fused, xent::GradMode::deferred}) {
+      SCOPED_TRACE(dev.str() + " " + xent::to_string(mode));
+      const at::Tensor leaf = w0.clone().requires_grad_();
+      const at::Tensor wide = leaf * 1.0;         // a layer's output
+      const at::Tensor x = wide.slice(1, 0, 61);  // row stride 67
+      const at::Tensor bits = x.detach().view(at::kShort).clone();
+      const auto version = x._version();
+      CrossEntropyOptions o;
+      o.grad_mode = mode;
+      o.vocab_size = 60;  // one padded column
+      o.label_smoothing = 0.1;
+      const at::Tensor loss = vocab_parallel_cross_entropy(x, y, kNoGroup, o).loss;
+      EXPECT_EQ(x._version(), version) << "forward wrote the logits";
+      EXPECT_TRUE(at::equal(x.detach().view(at::kShort), bits)) << "forward changed the logits";
+      const at::Tensor g = ::torch::autograd::grad({loss * 0.3}, {x})[0];
+      EXPECT_EQ(x._version(), version) << "backward wrote the logits";
+      EXPECT_TRUE(at::equal(x.detach().view(at::kShort), bits)) << "backward changed the logits";
+      EXPECT_TRUE(g.is_contiguous());
+      EXPECT_EQ(g.sizes(), x.sizes());
+      EXPECT_NE(g.data_ptr(), x.data_ptr());
+      EXPECT_TRUE(at::equal(wide.detach().slice(1, 61, 67).view(at::kShort),
+                            w0.slice(1, 61, 67).view(at::kShort)))
+          << "the row gap was written";
+
+      // The in-place deferred backward on a copy of the same logits: the same bits.
+      const at::Tensor xi = (w0.clone().requires_grad_() * 1.0).slice(1, 0, 61);
+      CrossEntropyOptions oi = o;
+      oi.grad_mode = xent::GradMode::deferred;
+      oi.inplace_grad = true;
+      const at::Tensor li = vocab_parallel_cross_entropy(xi, y, kNoGroup, oi).loss;
+      const at::Tensor gi = ::torch::autograd::grad({li * 0.3}, {xi})[0];
+      EXPECT_TRUE(at::equal(g.view(at::kShort), gi.contiguous().view(at::kShort)))
+          << "out-of-place and in-place gradients differ in bits";
     }
   }
 }
