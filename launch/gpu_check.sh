@@ -29,9 +29,14 @@ if [ "$ngpu" -ge 2 ]; then
 fi
 [ "${XENT_SANITIZE:-1}" = 0 ] && exit $status
 echo "== compute-sanitizer"
+subset=CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.OutOfPlaceBackwardMatchesCpu:CudaBackend.FinalizeBlocksReuseOneGroup
 for tool in memcheck racecheck; do
-  compute-sanitizer --tool "$tool" --error-exitcode 9 "$root/build/tests/gpu/xent_gpu_tests" \
-    --gtest_filter="${XENT_SANITIZE_FILTER:-CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.TwoRanksMatchCpu}" >"$logs/sanitize_$tool.log" 2>&1 || status=1
+  filter=${XENT_SANITIZE_FILTER:-$subset}
+  # TwoRanksMatchCpu runs two ranks as host threads that wait for each other: under racecheck,
+  # which serialises the kernels of both, it hung on a 2-GPU machine; memcheck runs it.
+  [ "$tool" = memcheck ] && [ -z "${XENT_SANITIZE_FILTER:-}" ] && filter=$filter:CudaBackend.TwoRanksMatchCpu
+  timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$root/build/tests/gpu/xent_gpu_tests" \
+    --gtest_filter="$filter" >"$logs/sanitize_$tool.log" 2>&1 || status=1
   tail -n 3 "$logs/sanitize_$tool.log"
 done
 exit $status
