@@ -32,6 +32,8 @@
 #include <thread>
 #include <vector>
 
+#include "reference.h"  // element loads and stores of each dtype
+
 namespace {
 
 using xent::Backend;
@@ -57,43 +59,10 @@ void ck(cudaError_t e, const char* what) {
 }
 
 size_t esize(DType d) {
-  return d == DType::f32 ? 4 : 2;
+  return xtest::elem_size(d);
 }
-
 float load_as_float(DType d, const uint8_t* p) {
-  switch (d) {
-    case DType::bf16: {
-      __nv_bfloat16 b;
-      std::memcpy(&b, p, 2);
-      return __bfloat162float(b);
-    }
-    case DType::f16: {
-      __half h;
-      std::memcpy(&h, p, 2);
-      return __half2float(h);
-    }
-    default: {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-  }
-}
-
-void store_from_float(DType d, uint8_t* p, float v) {
-  switch (d) {
-    case DType::bf16: {
-      const __nv_bfloat16 b = __float2bfloat16_rn(v);
-      std::memcpy(p, &b, 2);
-      break;
-    }
-    case DType::f16: {
-      const __half h = __float2half_rn(v);
-      std::memcpy(p, &h, 2);
-      break;
-    }
-    default: std::memcpy(p, &v, 4);
-  }
+  return static_cast<float>(xtest::load_elem(d, p));
 }
 
 // One unit in the last place of the dtype at |v| (fp32: 0, the fp32 tolerance covers it).
@@ -181,7 +150,7 @@ Inputs make_inputs(const Case& c) {
     for (int64_t j = 0; j < c.stride(); ++j) {
       // Row-stride gaps hold a sentinel that must survive untouched.
       const float v = j < c.cols ? normal(rng) : 1234.5f;
-      store_from_float(c.dtype, &in.logits[static_cast<size_t>(r * c.stride() + j) * es], v);
+      xtest::store_elem(c.dtype, &in.logits[static_cast<size_t>(r * c.stride() + j) * es], v);
     }
   // Targets this rank owns (a single rank must own them, or the loss is +inf).
   const int64_t lo = c.vocab_start, hi = c.vocab_start + std::max<int64_t>(1, c.real_cols());
@@ -631,7 +600,8 @@ OopResult run_out_of_place(Backend backend, const Case& c, const Inputs& in, int
   OopResult r;
   r.logits = in.logits;
   r.grad.resize(static_cast<size_t>(out_shift + c.rows * os) * es);
-  for (size_t i = 0; i < r.grad.size() / es; ++i) store_from_float(c.dtype, &r.grad[i * es], 77.0f);
+  for (size_t i = 0; i < r.grad.size() / es; ++i)
+    xtest::store_elem(c.dtype, &r.grad[i * es], 77.0f);
   std::vector<float> loss(opt.reduction == Reduction::none ? std::max<size_t>(1, rows) : 1);
   std::vector<float> lse(std::max<size_t>(1, rows));
 
@@ -990,7 +960,7 @@ TEST(CudaBackend, TwoRanksMatchCpu) {
                 const float v =
                     j < W ? load_as_float(dt, &full.logits[(i * c.stride() + k * W + j) * 2])
                           : 99.0f;
-                store_from_float(dt, &shard[(i * S + j) * 2], v);
+                xtest::store_elem(dt, &shard[(i * S + j) * 2], v);
               }
             RankOut& r = res[k];
             r.lse.assign(N, 0);

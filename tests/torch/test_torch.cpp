@@ -14,6 +14,7 @@ namespace {
 using xent::torch::CrossEntropyOptions;
 using xent::torch::vocab_parallel_cross_entropy;
 using xtt::Case;
+using xtt::expect_error;
 using xtt::matches;
 using xtt::matches_loss;
 
@@ -21,19 +22,6 @@ const c10::intrusive_ptr<c10d::ProcessGroup> kNoGroup;
 
 bool have_gpu() {
   return c10::cuda::device_count() > 0;
-}
-
-// Expects a c10::Error whose message contains every one of `parts`.
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning \"" << *parts.begin() << "\"";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const char* p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "message lacks \"" << p << "\": " << msg;
-  }
 }
 
 // ------------------------------------------------------------------------------ references

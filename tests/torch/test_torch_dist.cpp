@@ -21,6 +21,7 @@ namespace {
 using xent::torch::CrossEntropyOptions;
 using xent::torch::vocab_parallel_cross_entropy;
 using xtt::Case;
+using xtt::expect_error;
 using xtt::matches;
 using xtt::matches_loss;
 
@@ -35,18 +36,6 @@ std::vector<int64_t> uneven_widths(int64_t base) {
   std::vector<int64_t> w;
   for (int r = 0; r < g_size; ++r) w.push_back(base + (r % 2 ? -3 : 2) + r);
   return w;
-}
-
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning \"" << *parts.begin() << "\"";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const char* p : parts)
-      EXPECT_NE(msg.find(p), std::string::npos) << "message lacks \"" << p << "\": " << msg;
-  }
 }
 
 // ------------------------------------------------------------------------------------ Gloo

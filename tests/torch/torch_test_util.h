@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -20,6 +21,19 @@
 namespace xtt {
 
 namespace F = ::torch::nn::functional;
+
+// Expects a c10::Error whose message contains every one of `parts`.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<const char*> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning \"" << *parts.begin() << "\"";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    for (const char* p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "message lacks \"" << p << "\": " << msg;
+  }
+}
 using xent::torch::CrossEntropyOptions;
 
 inline const char* name_of(xent::Reduction r) {
