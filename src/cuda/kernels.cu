@@ -2,8 +2,7 @@
 //
 // Launch shapes (every row kernel has 256-thread blocks):
 //   - a row is owned by a warp when it holds at most 512 16-byte packs (4096 bf16/fp16 or 2048
-//     fp32 columns: 8 rows per block), else by the whole block (a block per row); the stats
-//     kernel moves that switch to 4096 packs (kStatsWarpRowPacks);
+//     fp32 columns: 8 rows per block), else by the whole block (a block per row);
 //   - each thread keeps kU = 4 16-byte loads in flight before it uses any of them;
 //   - the gradient kernel walks the rows last to first, so the rows the stats kernel read last
 //     are still in L2 when it starts; it stores 16-byte packs at the output row's alignment and
@@ -51,11 +50,6 @@ using detail::split_row;
 
 constexpr int kU = 4;               // 16-byte loads in flight per thread
 constexpr int kWarpRowPacks = 512;  // rows of at most this many packs go to a warp
-// The stats kernel keeps rows of up to 64 KiB on one warp: a block per row paid a fixed cost per
-// row (its block-wide reductions) that held 8192 x 16032 bf16 at 84.6 % of the copy bandwidth;
-// a warp per row reached 91.7 % (H100, xent_gpu_perf). Above it a block per row is faster
-// (128256 columns: 101.9 % against 99.3 %).
-constexpr int kStatsWarpRowPacks = 4096;
 constexpr int kReduceThreads = 1024;
 constexpr int kFinalizeThreads = 256;
 static_assert(Workspace::kPartials <= kFinalizeThreads,
@@ -137,14 +131,14 @@ void check_shape(const core::Problem& p, LogitsView logits, const char* name = "
 }
 
 template <typename T>
-bool block_per_row(int64_t cols, int64_t warp_row_packs = kWarpRowPacks) {
-  return cols / Pack<T>::kN > warp_row_packs;
+bool block_per_row(int64_t cols) {
+  return cols / Pack<T>::kN > kWarpRowPacks;
 }
 
 // Grid of a one-row-per-group launch.
 template <typename T>
-unsigned row_blocks(int64_t rows, int64_t cols, int64_t warp_row_packs = kWarpRowPacks) {
-  const int64_t per_block = block_per_row<T>(cols, warp_row_packs) ? 1 : kBlock / 32;
+unsigned row_blocks(int64_t rows, int64_t cols) {
+  const int64_t per_block = block_per_row<T>(cols) ? 1 : kBlock / 32;
   const int64_t blocks = (rows + per_block - 1) / per_block;
   if (blocks > INT_MAX)
     throw Error("xent: logits.rows = " + std::to_string(rows) + " is too many rows for one launch");
@@ -656,8 +650,8 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
   core::dispatch_dtype(logits.dtype, [&](auto e) {
     using E = decltype(e);
     using T = typename E::type;
-    const unsigned blocks = row_blocks<T>(p.rows, p.real_cols, kStatsWarpRowPacks);
-    const bool big = block_per_row<T>(p.real_cols, kStatsWarpRowPacks);
+    const unsigned blocks = row_blocks<T>(p.rows, p.real_cols);
+    const bool big = block_per_row<T>(p.real_cols);
     if (big && plain)
       launch("xent stats kernel", stats_kernel<E, kBlock, true>, blocks, kBlock, stream, a);
     else if (big)
