@@ -27,9 +27,25 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <typeinfo>
 #include <vector>
 
 namespace xtest {
+
+// Runs f, expects xent::Error, returns its message (empty, and a test failure, otherwise).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const xent::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw a " << typeid(e).name() << " that is not xent::Error: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "did not throw";
+  return "";
+}
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 

@@ -13,6 +13,7 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using xent::DType;
+using xtest::error_of;
 using xent::GradMode;
 using xent::IndexType;
 
@@ -34,21 +35,6 @@ struct Fixture {
   void forward() { xent::forward(g, buf.view(), tg.view(), opt, out); }
   xent::LogitsView lv() { return buf.view(); }
 };
-
-// Runs f, expects xent::Error, returns its message.
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const xent::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a " << typeid(e).name() << " that is not xent::Error: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
 
 TEST(Errors, TargetsRowsMismatch) {
   Fixture f;

@@ -15,23 +15,10 @@ namespace {
 
 using ::testing::HasSubstr;
 using xent::DType;
+using xtest::error_of;
 using xent::GradMode;
 using xent::IndexType;
 using xent::Reduction;
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const xent::Error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw a " << typeid(e).name() << " that is not xent::Error: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
 
 // A buffer shaped like `like` but with its own row stride, every element (gap included) holding
 // `fill`, so that tests can see what was written.
