@@ -13,9 +13,9 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 using xent::DType;
-using xtest::error_of;
 using xent::GradMode;
 using xent::IndexType;
+using xtest::error_of;
 
 // A valid single-rank problem that each test breaks in one way.
 struct Fixture {

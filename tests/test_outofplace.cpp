@@ -15,10 +15,10 @@ namespace {
 
 using ::testing::HasSubstr;
 using xent::DType;
-using xtest::error_of;
 using xent::GradMode;
 using xent::IndexType;
 using xent::Reduction;
+using xtest::error_of;
 
 // A buffer shaped like `like` but with its own row stride, every element (gap included) holding
 // `fill`, so that tests can see what was written.
