@@ -20,7 +20,8 @@ namespace xb {
 
 void cuda_ok(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e) + " (" +
+                             cudaGetErrorString(e) + ")");
 }
 
 namespace {
@@ -31,7 +32,8 @@ class HostDevice final : public Device {
   void* alloc(size_t bytes) override {
     const size_t rounded = (bytes + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded);
-    if (!p) throw std::runtime_error("out of host memory allocating " + std::to_string(bytes) + " bytes");
+    if (!p)
+      throw std::runtime_error("out of host memory allocating " + std::to_string(bytes) + " bytes");
     std::memset(p, 0, rounded);  // commit the pages now, not inside a timed call
     return p;
   }
@@ -57,15 +59,22 @@ class HostDevice final : public Device {
       const double t0 = MPI_Wtime();
       std::memcpy(b.data(), a.data(), bytes);
       const double t = MPI_Wtime() - t0;
-      a[static_cast<size_t>(i)] = b[bytes - 1 - static_cast<size_t>(i)];  // keep the copy observable
+      a[static_cast<size_t>(i)] =
+          b[bytes - 1 - static_cast<size_t>(i)];  // keep the copy observable
       if (i > 0 && t > 0) best = std::max(best, 2.0 * static_cast<double>(bytes) / t);
     }
     if (how) *how = "memcpy of 64 MiB on the host, read + written, best of 5";
     return best;
   }
-  void marks(int n) override { t_.assign(static_cast<size_t>(n), 0.0); }
-  void mark(int i) override { t_.at(static_cast<size_t>(i)) = MPI_Wtime(); }
-  double ms(int a, int b) override { return 1e3 * (t_.at(static_cast<size_t>(b)) - t_.at(static_cast<size_t>(a))); }
+  void marks(int n) override {
+    t_.assign(static_cast<size_t>(n), 0.0);
+  }
+  void mark(int i) override {
+    t_.at(static_cast<size_t>(i)) = MPI_Wtime();
+  }
+  double ms(int a, int b) override {
+    return 1e3 * (t_.at(static_cast<size_t>(b)) - t_.at(static_cast<size_t>(a)));
+  }
 
  private:
   std::vector<double> t_;
@@ -92,14 +101,18 @@ class CudaDevice final : public Device {
     cudaFree(p);
   }
   void upload(void* dst, const void* src, size_t bytes) override {
-    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (to device)");
+    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_),
+            "cudaMemcpyAsync (to device)");
     sync();  // the host source may go away
   }
   void download(void* dst, const void* src, size_t bytes) override {
-    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (to host)");
+    cuda_ok(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_),
+            "cudaMemcpyAsync (to host)");
     sync();
   }
-  void zero(void* p, size_t bytes) override { cuda_ok(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync"); }
+  void zero(void* p, size_t bytes) override {
+    cuda_ok(cudaMemsetAsync(p, 0, bytes, stream_), "cudaMemsetAsync");
+  }
   void fill_logits(const Problem& p, void* data) override { cuda_fill_logits(p, data, stream_); }
   void sync() override { cuda_ok(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
   int64_t memory_in_use() override {
@@ -119,13 +132,15 @@ class CudaDevice final : public Device {
       cudaGetLastError();
       bytes /= 2;
     }
-    if (!a || !b) throw std::runtime_error("cannot allocate 2 x 64 MiB to measure the copy bandwidth");
+    if (!a || !b)
+      throw std::runtime_error("cannot allocate 2 x 64 MiB to measure the copy bandwidth");
     cuda_ok(cudaMemsetAsync(a, 1, bytes, stream_), "cudaMemsetAsync");
     marks(2);
     double best = 0.0;
     for (int i = 0; i < 12; ++i) {
       mark(0);
-      cuda_ok(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream_), "cudaMemcpyAsync (device to device)");
+      cuda_ok(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream_),
+              "cudaMemcpyAsync (device to device)");
       mark(1);
       sync();
       const double t = ms(0, 1) * 1e-3;
@@ -135,7 +150,8 @@ class CudaDevice final : public Device {
     cudaFree(b);
     if (how) {
       *how = "cudaMemcpy device to device of " +
-             (bytes >= (size_t(1) << 30) ? std::to_string(bytes >> 30) + " GiB" : std::to_string(bytes >> 20) + " MiB") +
+             (bytes >= (size_t(1) << 30) ? std::to_string(bytes >> 30) + " GiB"
+                                         : std::to_string(bytes >> 20) + " MiB") +
              ", read + written, best of 10";
     }
     return best;
@@ -147,11 +163,14 @@ class CudaDevice final : public Device {
       ev_.push_back(e);
     }
   }
-  void mark(int i) override { cuda_ok(cudaEventRecord(ev_.at(static_cast<size_t>(i)), stream_), "cudaEventRecord"); }
+  void mark(int i) override {
+    cuda_ok(cudaEventRecord(ev_.at(static_cast<size_t>(i)), stream_), "cudaEventRecord");
+  }
   double ms(int a, int b) override {
     float t = 0.0f;
-    cuda_ok(cudaEventElapsedTime(&t, ev_.at(static_cast<size_t>(a)), ev_.at(static_cast<size_t>(b))),
-            "cudaEventElapsedTime");
+    cuda_ok(
+        cudaEventElapsedTime(&t, ev_.at(static_cast<size_t>(a)), ev_.at(static_cast<size_t>(b))),
+        "cudaEventElapsedTime");
     return t;
   }
 
@@ -161,7 +180,11 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device() { return std::make_unique<HostDevice>(); }
-std::unique_ptr<Device> make_cuda_device(int device) { return std::make_unique<CudaDevice>(device); }
+std::unique_ptr<Device> make_host_device() {
+  return std::make_unique<HostDevice>();
+}
+std::unique_ptr<Device> make_cuda_device(int device) {
+  return std::make_unique<CudaDevice>(device);
+}
 
 }  // namespace xb

@@ -23,21 +23,21 @@ enum ReductionCode : int { kNone = 0, kMean = 1, kSum = 2 };
 
 // One rank's view of one benchmark size: plain data, passed by value to kernels.
 struct Problem {
-  int64_t rows = 0;       // tokens
-  int64_t vocab = 0;      // real classes V
-  int64_t padded = 0;     // global width, padding included
-  int64_t start = 0;      // this rank's first global column
-  int64_t width = 0;      // this rank's columns (padding included)
+  int64_t rows = 0;    // tokens
+  int64_t vocab = 0;   // real classes V
+  int64_t padded = 0;  // global width, padding included
+  int64_t start = 0;   // this rank's first global column
+  int64_t width = 0;   // this rank's columns (padding included)
   int dtype = kBF16;
   int reduction = kMean;
   double smoothing = 0.0;
   double z_loss = 0.0;
   double softcap = 0.0;
-  double grad_output = 1.0;   // the value of every grad_output element
+  double grad_output = 1.0;  // the value of every grad_output element
   uint64_t seed = 0;
   uint32_t ignore_threshold = 0;  // rows whose hash falls below it are ignored (ignore_fraction)
   int64_t ignore_index = -100;
-  float step = 1.0f / 32;     // logits are k * step, k in [-256, 128): exact in f32, bf16 and f16
+  float step = 1.0f / 32;  // logits are k * step, k in [-256, 128): exact in f32, bf16 and f16
 };
 
 // A row's reference statistics, fp64.
@@ -82,14 +82,17 @@ XB_HD int row_offset(const Problem& p, int64_t row) {
   return static_cast<int>(h % 129) - 128;
 }
 XB_HD float gen_logit(const Problem& p, int64_t row, int64_t col) {
-  const uint64_t h = mix64(p.seed * 0x9e3779b97f4a7c15ull ^ mix64(static_cast<uint64_t>(row) * 0x100000001b3ull +
-                                                                static_cast<uint64_t>(col)));
+  const uint64_t h =
+      mix64(p.seed * 0x9e3779b97f4a7c15ull ^
+            mix64(static_cast<uint64_t>(row) * 0x100000001b3ull + static_cast<uint64_t>(col)));
   const int k = static_cast<int>(h >> 56) - 128;  // top 8 bits
   return static_cast<float>(k + row_offset(p, row)) * p.step;
 }
 
 // Padding columns hold a large finite value: a library that forgot to mask them would be far off.
-XB_HD float pad_logit(const Problem& p) { return 512.0f * p.step; }
+XB_HD float pad_logit(const Problem& p) {
+  return 512.0f * p.step;
+}
 
 // The target of a row (the same on every rank), or ignore_index. Row 0 is never ignored, so that
 // a mean always has at least one row.
@@ -112,8 +115,12 @@ XB_HD float bits_float(uint32_t u) {
   return f;
 }
 // Exact for the generated values (at most 8 significant bits).
-XB_HD uint16_t f32_to_bf16_exact(float f) { return static_cast<uint16_t>(float_bits(f) >> 16); }
-XB_HD float bf16_to_f32(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+XB_HD uint16_t f32_to_bf16_exact(float f) {
+  return static_cast<uint16_t>(float_bits(f) >> 16);
+}
+XB_HD float bf16_to_f32(uint16_t h) {
+  return bits_float(static_cast<uint32_t>(h) << 16);
+}
 // Exact for normal half values with at most 11 significant bits (the generated logits), and 0.
 XB_HD uint16_t f32_to_f16_exact(float f) {
   const uint32_t u = float_bits(f);
@@ -127,17 +134,20 @@ XB_HD float f16_to_f32(uint16_t h) {
   const uint32_t e = (h >> 10) & 0x1fu;
   const uint32_t m = h & 0x3ffu;
   if (e == 0x1f) return bits_float(sign | 0x7f800000u | (m << 13));  // inf, nan
-  if (e == 0) {                                                     // zero, subnormal
-    const float v = static_cast<float>(m) * (1.0f / 16777216.0f);   // m * 2^-24
+  if (e == 0) {                                                      // zero, subnormal
+    const float v = static_cast<float>(m) * (1.0f / 16777216.0f);    // m * 2^-24
     return sign ? -v : v;
   }
   return bits_float(sign | ((e - 15 + 127) << 23) | (m << 13));
 }
 
 XB_HD void store_elem(int dtype, void* base, int64_t i, float v) {
-  if (dtype == kF32) static_cast<float*>(base)[i] = v;
-  else if (dtype == kBF16) static_cast<uint16_t*>(base)[i] = f32_to_bf16_exact(v);
-  else static_cast<uint16_t*>(base)[i] = f32_to_f16_exact(v);
+  if (dtype == kF32)
+    static_cast<float*>(base)[i] = v;
+  else if (dtype == kBF16)
+    static_cast<uint16_t*>(base)[i] = f32_to_bf16_exact(v);
+  else
+    static_cast<uint16_t*>(base)[i] = f32_to_f16_exact(v);
 }
 XB_HD double load_elem(int dtype, const void* base, int64_t i) {
   if (dtype == kF32) return static_cast<const float*>(base)[i];
@@ -145,7 +155,9 @@ XB_HD double load_elem(int dtype, const void* base, int64_t i) {
   return f16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
-XB_HD size_t dtype_bytes(int dtype) { return dtype == kF32 ? 4 : 2; }
+XB_HD size_t dtype_bytes(int dtype) {
+  return dtype == kF32 ? 4 : 2;
+}
 
 // ---- fp64 reference ---------------------------------------------------------------------------
 
@@ -217,7 +229,8 @@ XB_HD bool check_grad_elem(const Problem& p, const RefRow& r, int64_t col, doubl
   // fp32 gets the softcap's slope 1 - tanh^2 to about 1e-6 absolute: where the cap saturates
   // (slope ~ 0) that, not a relative error, is the bound.
   const double slope_err = p.softcap > 0.0 ? 1e-6 : 0.0;
-  *tol = mag * fabs(row_scale) * (grad_rtol(p.dtype, r.lse) * fabs(slope) + slope_err) + grad_atol(p.dtype, p.grad_output);
+  *tol = mag * fabs(row_scale) * (grad_rtol(p.dtype, r.lse) * fabs(slope) + slope_err) +
+         grad_atol(p.dtype, p.grad_output);
   return fabs(got - *want) <= *tol;  // false for NaN
 }
 

@@ -6,8 +6,6 @@
 #include <nccl.h>
 #include <unistd.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
@@ -15,6 +13,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -49,10 +48,16 @@ xent::DType to_xent_dtype(int d) {
   return d == kF32 ? xent::DType::f32 : d == kBF16 ? xent::DType::bf16 : xent::DType::f16;
 }
 xent::Reduction to_xent_reduction(int r) {
-  return r == kNone ? xent::Reduction::none : r == kSum ? xent::Reduction::sum : xent::Reduction::mean;
+  return r == kNone  ? xent::Reduction::none
+         : r == kSum ? xent::Reduction::sum
+                     : xent::Reduction::mean;
 }
-const char* dtype_name(int d) { return d == kF32 ? "f32" : d == kBF16 ? "bf16" : "f16"; }
-const char* reduction_name(int r) { return r == kNone ? "none" : r == kSum ? "sum" : "mean"; }
+const char* dtype_name(int d) {
+  return d == kF32 ? "f32" : d == kBF16 ? "bf16" : "f16";
+}
+const char* reduction_name(int r) {
+  return r == kNone ? "none" : r == kSum ? "sum" : "mean";
+}
 
 std::string first_line(const std::string& s) {
   const size_t nl = s.find('\n');
@@ -76,10 +81,13 @@ Env gather_env(Device& dev, const xent::Group& group) {
   cudaRuntimeGetVersion(&rt);
   cudaDriverGetVersion(&drv);
   cudaGetLastError();
-  env.cuda_runtime = rt > 0 ? std::to_string(rt / 1000) + "." + std::to_string((rt % 1000) / 10) : "none";
-  env.cuda_driver = drv > 0 ? std::to_string(drv / 1000) + "." + std::to_string((drv % 1000) / 10) : "none";
+  env.cuda_runtime =
+      rt > 0 ? std::to_string(rt / 1000) + "." + std::to_string((rt % 1000) / 10) : "none";
+  env.cuda_driver =
+      drv > 0 ? std::to_string(drv / 1000) + "." + std::to_string((drv % 1000) / 10) : "none";
   if (ncclGetVersion(&nv) == ncclSuccess && nv > 0)
-    env.nccl = std::to_string(nv / 10000) + "." + std::to_string((nv % 10000) / 100) + "." + std::to_string(nv % 100);
+    env.nccl = std::to_string(nv / 10000) + "." + std::to_string((nv % 10000) / 100) + "." +
+               std::to_string(nv % 100);
   else
     env.nccl = "unknown";
   std::time_t now = std::time(nullptr);
@@ -94,17 +102,19 @@ Env gather_env(Device& dev, const xent::Group& group) {
     cuda_ok(cudaGetDeviceProperties(&prop, group.device()), "cudaGetDeviceProperties");
     char bus[32] = {0};
     cudaDeviceGetPCIBusId(bus, sizeof bus, group.device());
-    std::snprintf(line, sizeof line, "#  Rank %3d Pid %7d on %12s device %2d [%s] %s, %.0f GiB", env.rank,
-                  static_cast<int>(getpid()), host, group.device(), bus, prop.name,
+    std::snprintf(line, sizeof line, "#  Rank %3d Pid %7d on %12s device %2d [%s] %s, %.0f GiB",
+                  env.rank, static_cast<int>(getpid()), host, group.device(), bus, prop.name,
                   static_cast<double>(prop.totalGlobalMem) / (1 << 30));
   } else {
-    std::snprintf(line, sizeof line, "#  Rank %3d Pid %7d on %12s CPU backend (host memory, MPI all-gather)",
-                  env.rank, static_cast<int>(getpid()), host);
+    std::snprintf(line, sizeof line,
+                  "#  Rank %3d Pid %7d on %12s CPU backend (host memory, MPI all-gather)", env.rank,
+                  static_cast<int>(getpid()), host);
   }
   std::vector<char> all(env.rank == 0 ? sizeof line * static_cast<size_t>(env.ranks) : 1);
   MPI_Gather(line, sizeof line, MPI_CHAR, all.data(), sizeof line, MPI_CHAR, 0, MPI_COMM_WORLD);
   if (env.rank == 0)
-    for (int r = 0; r < env.ranks; ++r) env.rank_lines.emplace_back(all.data() + sizeof line * static_cast<size_t>(r));
+    for (int r = 0; r < env.ranks; ++r)
+      env.rank_lines.emplace_back(all.data() + sizeof line * static_cast<size_t>(r));
 
   MPI_Barrier(MPI_COMM_WORLD);  // measure the copy bandwidth on every rank at once
   double bw = dev.copy_bandwidth(&env.copy_how);
@@ -122,34 +132,42 @@ std::string describe(const Mismatch& m) {
   char buf[320];
   switch (m.kind) {
     case 1:
-      std::snprintf(buf, sizeof buf, "gradient [row %" PRId64 ", global column %" PRId64 "] = %.9g, expected %.9g (tolerance %.3g)",
+      std::snprintf(buf, sizeof buf,
+                    "gradient [row %" PRId64 ", global column %" PRId64
+                    "] = %.9g, expected %.9g (tolerance %.3g)",
                     m.row, m.col, m.got, m.want, m.tol);
       break;
     case 2:
       if (m.row >= 0)
-        std::snprintf(buf, sizeof buf, "loss [row %" PRId64 "] = %.9g, expected %.9g (tolerance %.3g)", m.row, m.got, m.want, m.tol);
+        std::snprintf(buf, sizeof buf,
+                      "loss [row %" PRId64 "] = %.9g, expected %.9g (tolerance %.3g)", m.row, m.got,
+                      m.want, m.tol);
       else
-        std::snprintf(buf, sizeof buf, "loss = %.9g, expected %.9g (tolerance %.3g)", m.got, m.want, m.tol);
+        std::snprintf(buf, sizeof buf, "loss = %.9g, expected %.9g (tolerance %.3g)", m.got, m.want,
+                      m.tol);
       break;
     case 3:
-      std::snprintf(buf, sizeof buf, "lse [row %" PRId64 "] = %.9g, expected %.9g (tolerance %.3g)", m.row, m.got, m.want, m.tol);
+      std::snprintf(buf, sizeof buf, "lse [row %" PRId64 "] = %.9g, expected %.9g (tolerance %.3g)",
+                    m.row, m.got, m.want, m.tol);
       break;
     case 4:
       std::snprintf(buf, sizeof buf, "loss or lse is not bitwise the same on every rank");
       break;
     case 5:
-      std::snprintf(buf, sizeof buf, "bench self-check: the GPU reference disagrees with the host reference at row %" PRId64
-                    " (%.17g vs %.17g)", m.row, m.got, m.want);
+      std::snprintf(
+          buf, sizeof buf,
+          "bench self-check: the GPU reference disagrees with the host reference at row %" PRId64
+          " (%.17g vs %.17g)",
+          m.row, m.got, m.want);
       break;
-    default:
-      std::snprintf(buf, sizeof buf, "unknown mismatch");
+    default: std::snprintf(buf, sizeof buf, "unknown mismatch");
   }
   return buf;
 }
 
 // Compares forward's loss and lse and the gradient now in `grad` with the fp64 reference.
-int64_t verify(Device& dev, const Problem& p, const void* grad, const float* loss_buf, const float* lse_buf,
-               Mismatch& first) {
+int64_t verify(Device& dev, const Problem& p, const void* grad, const float* loss_buf,
+               const float* lse_buf, Mismatch& first) {
   const int64_t n_loss = p.reduction == kNone ? p.rows : 1;
   std::vector<float> loss(static_cast<size_t>(n_loss)), lse(static_cast<size_t>(p.rows));
   dev.download(loss.data(), loss_buf, loss.size() * sizeof(float));
@@ -163,7 +181,8 @@ int64_t verify(Device& dev, const Problem& p, const void* grad, const float* los
     ref.resize(static_cast<size_t>(p.rows));
     dev.download(ref.data(), rows.get(), ref.size() * sizeof(RefRow));
     const double inv = inv_valid_rows(ref);
-    const int64_t gpu_wrong = cuda_check_grad(p, grad, rows.as<RefRow>(), inv, &first, dev.stream());
+    const int64_t gpu_wrong =
+        cuda_check_grad(p, grad, rows.as<RefRow>(), inv, &first, dev.stream());
     wrong += gpu_wrong;
     // Redo the first rows on the host (all of them when small): checks the bench's own GPU
     // reference and GPU comparison against the plain host code.
@@ -178,13 +197,18 @@ int64_t verify(Device& dev, const Problem& p, const void* grad, const float* los
         ++wrong;
       }
     }
-    const int64_t gpu_head = cuda_check_grad(head, grad, rows.as<RefRow>(), inv, nullptr, dev.stream());
-    std::vector<unsigned char> g(static_cast<size_t>(head.rows * head.width) * dtype_bytes(p.dtype));
+    const int64_t gpu_head =
+        cuda_check_grad(head, grad, rows.as<RefRow>(), inv, nullptr, dev.stream());
+    std::vector<unsigned char> g(static_cast<size_t>(head.rows * head.width) *
+                                 dtype_bytes(p.dtype));
     dev.download(g.data(), grad, g.size());
     const int64_t host_head = host_check_grad(head, g.data(), host, inv, nullptr);
     if (host_head != gpu_head) {
-      std::fprintf(stderr, "xent_dist_bench: bench self-check: over the first %" PRId64 " rows the GPU check counted %" PRId64
-                   " wrong gradient values, the host check %" PRId64 "\n", head.rows, gpu_head, host_head);
+      std::fprintf(stderr,
+                   "xent_dist_bench: bench self-check: over the first %" PRId64
+                   " rows the GPU check counted %" PRId64
+                   " wrong gradient values, the host check %" PRId64 "\n",
+                   head.rows, gpu_head, host_head);
       wrong += std::max<int64_t>(0, host_head - gpu_head) + 1;
     }
   } else {
@@ -226,7 +250,8 @@ class Bench {
     for (const int64_t n : s_.tokens) {
       std::vector<Result> rows = run_size(n, [&](const std::string& mode) {
         if (progress) {
-          std::fprintf(stderr, "\r# [%zu/%zu] %" PRId64 " tokens, %s ...\033[K", ++step, steps, n, mode.c_str());
+          std::fprintf(stderr, "\r# [%zu/%zu] %" PRId64 " tokens, %s ...\033[K", ++step, steps, n,
+                       mode.c_str());
           std::fflush(stderr);
         }
       });
@@ -248,11 +273,13 @@ class Bench {
     const double gbs = bytes / (r.total_ms * 1e-3) / 1e9;
     const double roof_ms = bytes / env_.copy_bw * 1e3;
     char wrong[32];
-    if (s_.check) std::snprintf(wrong, sizeof wrong, "%" PRId64, r.wrong);
-    else std::snprintf(wrong, sizeof wrong, "N/A");
-    std::printf("%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %9.2f %7s\n", r.tokens, r.width,
-                r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms, gbs, 100.0 * roof_ms / r.total_ms,
-                r.extra_bytes / (1 << 20), wrong);
+    if (s_.check)
+      std::snprintf(wrong, sizeof wrong, "%" PRId64, r.wrong);
+    else
+      std::snprintf(wrong, sizeof wrong, "N/A");
+    std::printf("%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %9.2f %7s\n",
+                r.tokens, r.width, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms, gbs,
+                100.0 * roof_ms / r.total_ms, r.extra_bytes / (1 << 20), wrong);
     std::fflush(stdout);
   }
 
@@ -280,7 +307,8 @@ class Bench {
     p.grad_output = static_cast<float>(s_.grad_output);
     p.seed = s_.seed;
     p.ignore_index = opt.ignore_index;
-    p.ignore_threshold = static_cast<uint32_t>(std::min(4294967295.0, std::floor(s_.ignore_fraction * 4294967296.0)));
+    p.ignore_threshold = static_cast<uint32_t>(
+        std::min(4294967295.0, std::floor(s_.ignore_fraction * 4294967296.0)));
     p.step = static_cast<float>(s_.logit_range / 256.0);
 
     const size_t eb = dtype_bytes(p.dtype);
@@ -317,11 +345,13 @@ class Bench {
       const size_t rb = xent::record_bytes(opt) * static_cast<size_t>(n);
       Buffer send(dev_, rb), recv(dev_, rb * static_cast<size_t>(env_.ranks));
       dev_.zero(send.get(), rb);
-      for (int i = 0; i < std::max(2, s_.warmup); ++i) group_.comm().all_gather(send.get(), recv.get(), rb, stream);
+      for (int i = 0; i < std::max(2, s_.warmup); ++i)
+        group_.comm().all_gather(send.get(), recv.get(), rb, stream);
       dev_.marks(2);
       dev_.sync();
       dev_.mark(0);
-      for (int i = 0; i < s_.iters; ++i) group_.comm().all_gather(send.get(), recv.get(), rb, stream);
+      for (int i = 0; i < s_.iters; ++i)
+        group_.comm().all_gather(send.get(), recv.get(), rb, stream);
       dev_.mark(1);
       dev_.sync();
       gather_ms = dev_.ms(0, 1) / s_.iters;
@@ -333,7 +363,9 @@ class Bench {
       const bool fused = s_.modes[m] == "fused";
       opt.grad_mode = fused ? xent::GradMode::fused : xent::GradMode::deferred;
       auto fwd = [&] { xent::forward(group_, lv, tv, opt, out, stream); };
-      auto bwd = [&] { xent::backward(group_, lv, tv, lse.as<float>(), gout.as<float>(), opt, stream); };
+      auto bwd = [&] {
+        xent::backward(group_, lv, tv, lse.as<float>(), gout.as<float>(), opt, stream);
+      };
 
       dev_.fill_logits(p, logits.get());  // pristine logits for the first (checked) call
       dev_.zero(loss.get(), loss.bytes());
@@ -359,7 +391,9 @@ class Bench {
         Mismatch first;
         r.wrong = verify(dev_, p, logits.get(), loss.as<float>(), lse.as<float>(), first);
         if (r.wrong > 0)
-          std::fprintf(stderr, "xent_dist_bench: rank %d: %" PRId64 " tokens, %s: %" PRId64 " wrong; first: %s\n",
+          std::fprintf(stderr,
+                       "xent_dist_bench: rank %d: %" PRId64 " tokens, %s: %" PRId64
+                       " wrong; first: %s\n",
                        env_.rank, n, r.mode.c_str(), r.wrong, describe(first).c_str());
       }
 
@@ -397,7 +431,8 @@ class Bench {
       if (gb) cudaGraphExecDestroy(gb);
 
       // The slowest rank's times and memory; the wrong values of all ranks.
-      double mine[5] = {r.fwd_ms, r.bwd_ms, r.total_ms, gather_ms, static_cast<double>(std::max<int64_t>(0, extra_bytes_))};
+      double mine[5] = {r.fwd_ms, r.bwd_ms, r.total_ms, gather_ms,
+                        static_cast<double>(std::max<int64_t>(0, extra_bytes_))};
       double worst[5];
       MPI_Allreduce(mine, worst, 5, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
       long long w = r.wrong, wsum = 0;
@@ -418,7 +453,8 @@ class Bench {
     cudaStream_t stream = dev_.stream();
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+            "cudaStreamBeginCapture");
     try {
       f();
     } catch (...) {
@@ -442,36 +478,42 @@ class Bench {
 };
 
 void print_header(const Settings& s, const Env& env, int64_t width) {
-  std::printf("# xent_dist_bench %s: vocab-parallel cross-entropy, forward + backward\n", XENT_BENCH_VERSION);
+  std::printf("# xent_dist_bench %s: vocab-parallel cross-entropy, forward + backward\n",
+              XENT_BENCH_VERSION);
   std::printf("# command: %s\n", s.command.c_str());
   std::printf("# %d rank(s), one vocabulary shard each; backend %s\n", env.ranks, s.device.c_str());
-  std::printf("# model %s%s%s: vocab %" PRId64 " padded to %" PRId64 " (pad-to %" PRId64 "), %" PRId64
-              " columns per rank, dtype %s\n",
-              s.model.c_str(), s.config.empty() ? "" : " from ", s.config.c_str(), s.vocab, s.padded, s.pad_to,
-              width, dtype_name(s.dtype));
-  std::printf("# reduction %s, label smoothing %g, z-loss %g, softcap %g, ignore fraction %g, grad_output %g, "
-              "logits in [-%g, %g), seed %" PRIu64 "\n",
-              reduction_name(s.reduction), s.label_smoothing, s.z_loss, s.softcap, s.ignore_fraction, s.grad_output,
-              s.logit_range, s.logit_range / 2, s.seed);
+  std::printf("# model %s%s%s: vocab %" PRId64 " padded to %" PRId64 " (pad-to %" PRId64
+              "), %" PRId64 " columns per rank, dtype %s\n",
+              s.model.c_str(), s.config.empty() ? "" : " from ", s.config.c_str(), s.vocab,
+              s.padded, s.pad_to, width, dtype_name(s.dtype));
+  std::printf(
+      "# reduction %s, label smoothing %g, z-loss %g, softcap %g, ignore fraction %g, grad_output "
+      "%g, "
+      "logits in [-%g, %g), seed %" PRIu64 "\n",
+      reduction_name(s.reduction), s.label_smoothing, s.z_loss, s.softcap, s.ignore_fraction,
+      s.grad_output, s.logit_range, s.logit_range / 2, s.seed);
   std::printf("# timing: %d iteration(s) after %d warm-up, %s%s; check: %s\n", s.iters, s.warmup,
               s.device == "cuda" ? "CUDA events on one stream" : "MPI_Wtime",
               s.graph ? ", replayed from CUDA graphs" : "",
               s.check ? "on (fp64 reference)" : "off (#wrong N/A; -c to verify)");
   std::printf("# MPI: %s\n", env.mpi.c_str());
-  std::printf("# CUDA runtime %s, driver %s; NCCL %s\n", env.cuda_runtime.c_str(), env.cuda_driver.c_str(),
-              env.nccl.c_str());
+  std::printf("# CUDA runtime %s, driver %s; NCCL %s\n", env.cuda_runtime.c_str(),
+              env.cuda_driver.c_str(), env.nccl.c_str());
   for (const std::string& l : env.rank_lines) std::printf("%s\n", l.c_str());
-  std::printf("# copy bandwidth %.1f GB/s (%s, slowest rank)\n", env.copy_bw / 1e9, env.copy_how.c_str());
-  std::printf("# roofline: the logits read twice and the gradient written once at that bandwidth\n");
+  std::printf("# copy bandwidth %.1f GB/s (%s, slowest rank)\n", env.copy_bw / 1e9,
+              env.copy_how.c_str());
+  std::printf(
+      "# roofline: the logits read twice and the gradient written once at that bandwidth\n");
   std::printf("#\n");
-  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s\n", "", "", "", "forward", "backward", "total",
-              "all-gather", "", "", "extra");
-  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s %7s\n", "tokens", "vocab/rank", "mode", "ms", "ms", "ms",
-              "ms", "GB/s", "%roof", "MiB", "#wrong");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s\n", "", "", "", "forward", "backward",
+              "total", "all-gather", "", "", "extra");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s %7s\n", "tokens", "vocab/rank", "mode",
+              "ms", "ms", "ms", "ms", "GB/s", "%roof", "MiB", "#wrong");
   std::fflush(stdout);
 }
 
-nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results, int64_t wrong) {
+nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results,
+                       int64_t wrong) {
   using nlohmann::json;
   json j;
   j["tool"] = "xent_dist_bench";
@@ -538,7 +580,8 @@ int run(const Settings& s) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const bool gpu = s.device == "cuda";
-  xent::Group group = gpu ? xent::Group::from_mpi(MPI_COMM_WORLD) : xent::Group::host(MPI_COMM_WORLD);
+  xent::Group group =
+      gpu ? xent::Group::from_mpi(MPI_COMM_WORLD) : xent::Group::host(MPI_COMM_WORLD);
   std::unique_ptr<Device> dev = gpu ? make_cuda_device(group.device()) : make_host_device();
   const Env env = gather_env(*dev, group);
   Bench bench(s, group, *dev, env);
@@ -579,7 +622,8 @@ int run(const Settings& s) {
       std::ofstream f(s.json, std::ios::trunc);
       f << to_json(s, env, results, wrong).dump(2) << "\n";
       if (!f) {
-        std::fprintf(stderr, "xent_dist_bench: --json = '%s': could not write the file\n", s.json.c_str());
+        std::fprintf(stderr, "xent_dist_bench: --json = '%s': could not write the file\n",
+                     s.json.c_str());
         status = 1;
       } else {
         std::printf("# results written to %s\n", s.json.c_str());
@@ -617,8 +661,10 @@ int main(int argc, char** argv) {
     int me = status == worst ? rank : ranks, speaker = 0;
     MPI_Allreduce(&me, &speaker, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (rank == speaker) {
-      if (worst == xb::kParseHelp) std::printf("%s", message.c_str());
-      else std::fprintf(stderr, "%s\n", message.c_str());
+      if (worst == xb::kParseHelp)
+        std::printf("%s", message.c_str());
+      else
+        std::fprintf(stderr, "%s\n", message.c_str());
       std::fflush(nullptr);
     }
     MPI_Finalize();

@@ -51,7 +51,9 @@ int64_t parse_int(const Source& s, const std::string& text, int64_t lo, int64_t 
   if (v > hi) refuse(s, "must be at most " + std::to_string(hi));
   return v;
 }
-int64_t to_int(const Source& s, int64_t lo, int64_t hi) { return parse_int(s, s.value, lo, hi); }
+int64_t to_int(const Source& s, int64_t lo, int64_t hi) {
+  return parse_int(s, s.value, lo, hi);
+}
 
 std::string fmt(double v) {
   std::ostringstream o;
@@ -60,14 +62,18 @@ std::string fmt(double v) {
 }
 
 // [lo, hi] with lo_open / hi_open making that end exclusive.
-double to_double(const Source& s, double lo, double hi, bool lo_open = false, bool hi_open = false) {
+double to_double(const Source& s, double lo, double hi, bool lo_open = false,
+                 bool hi_open = false) {
   const std::string t = trim(s.value);
   char* end = nullptr;
   errno = 0;
   const double v = std::strtod(t.c_str(), &end);
-  if (t.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v)) refuse(s, "not a finite number");
-  if (lo_open ? !(v > lo) : !(v >= lo)) refuse(s, std::string("must be ") + (lo_open ? "above " : "at least ") + fmt(lo));
-  if (hi_open ? !(v < hi) : !(v <= hi)) refuse(s, std::string("must be ") + (hi_open ? "below " : "at most ") + fmt(hi));
+  if (t.empty() || *end != '\0' || errno == ERANGE || !std::isfinite(v))
+    refuse(s, "not a finite number");
+  if (lo_open ? !(v > lo) : !(v >= lo))
+    refuse(s, std::string("must be ") + (lo_open ? "above " : "at least ") + fmt(lo));
+  if (hi_open ? !(v < hi) : !(v <= hi))
+    refuse(s, std::string("must be ") + (hi_open ? "below " : "at most ") + fmt(hi));
   return v;
 }
 
@@ -79,7 +85,8 @@ bool to_bool(const Source& s) {
   refuse(s, "not a boolean (true or false)");
 }
 
-int to_choice(const Source& s, const std::vector<std::pair<std::string, int>>& names, const std::string& shown) {
+int to_choice(const Source& s, const std::vector<std::pair<std::string, int>>& names,
+              const std::string& shown) {
   const std::string t = trim(s.value);
   for (const auto& n : names)
     if (n.first == t) return n.second;
@@ -97,15 +104,29 @@ std::vector<int64_t> to_int_list(const Source& s) {
 
 // The keys a config may set, with the flag that sets the same thing.
 const std::map<std::string, std::string>& known_keys() {
-  static const std::map<std::string, std::string> keys = {
-      {"model", ""}, {"description", ""}, {"tp", ""},
-      {"vocab_size", "--vocab"}, {"pad_to", "--pad-to"}, {"tokens", "--tokens"},
-      {"min_tokens", "--min-tokens"}, {"max_tokens", "--max-tokens"}, {"step_factor", "--step-factor"},
-      {"dtype", "--dtype"}, {"label_smoothing", "--label-smoothing"}, {"z_loss", "--z-loss"},
-      {"softcap", "--softcap"}, {"ignore_fraction", "--ignore-fraction"},
-      {"reduction", "--reduction"}, {"mode", "--mode"}, {"iters", "--iters"},
-      {"warmup", "--warmup"}, {"check", "--check"}, {"graph", "--graph"}, {"seed", "--seed"},
-      {"grad_output", "--grad-output"}, {"logit_range", "--logit-range"}};
+  static const std::map<std::string, std::string> keys = {{"model", ""},
+                                                          {"description", ""},
+                                                          {"tp", ""},
+                                                          {"vocab_size", "--vocab"},
+                                                          {"pad_to", "--pad-to"},
+                                                          {"tokens", "--tokens"},
+                                                          {"min_tokens", "--min-tokens"},
+                                                          {"max_tokens", "--max-tokens"},
+                                                          {"step_factor", "--step-factor"},
+                                                          {"dtype", "--dtype"},
+                                                          {"label_smoothing", "--label-smoothing"},
+                                                          {"z_loss", "--z-loss"},
+                                                          {"softcap", "--softcap"},
+                                                          {"ignore_fraction", "--ignore-fraction"},
+                                                          {"reduction", "--reduction"},
+                                                          {"mode", "--mode"},
+                                                          {"iters", "--iters"},
+                                                          {"warmup", "--warmup"},
+                                                          {"check", "--check"},
+                                                          {"graph", "--graph"},
+                                                          {"seed", "--seed"},
+                                                          {"grad_output", "--grad-output"},
+                                                          {"logit_range", "--logit-range"}};
   return keys;
 }
 
@@ -135,7 +156,8 @@ void load_config(const std::string& path, std::map<std::string, Source>& src) {
     Source s;
     s.where = path + ": " + raw_key;
     if (node.IsSequence()) {
-      for (const auto& item : node) s.value += (s.value.empty() ? "" : ",") + (item.IsScalar() ? item.Scalar() : "?");
+      for (const auto& item : node)
+        s.value += (s.value.empty() ? "" : ",") + (item.IsScalar() ? item.Scalar() : "?");
     } else if (node.IsScalar()) {
       s.value = node.Scalar();
     } else {
@@ -163,8 +185,10 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
   app.footer(
       "\nExamples:\n"
       "  mpirun -np 8 xent_dist_bench --config configs/llama3-tp8.yaml --check\n"
-      "  mpirun -np 2 xent_dist_bench -b 1024 -e 16384 -f 2 --vocab 151936 --dtype bf16 --mode both\n"
-      "  mpirun -np 4 --oversubscribe xent_dist_bench --device cpu --check --tokens 64,256 --vocab 32000\n"
+      "  mpirun -np 2 xent_dist_bench -b 1024 -e 16384 -f 2 --vocab 151936 --dtype bf16 --mode "
+      "both\n"
+      "  mpirun -np 4 --oversubscribe xent_dist_bench --device cpu --check --tokens 64,256 --vocab "
+      "32000\n"
       "Exit status: 0 all good, 1 a #wrong value or a runtime error, 2 a refused flag or config.");
 
   std::map<std::string, std::string> v;  // key -> text given on the command line
@@ -175,8 +199,10 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
   };
   add("config", "--config", "FILE", "YAML preset (configs/*.yaml); flags given here override it");
   add("device", "--device", "cpu|cuda", "backend (default: cuda when a GPU is visible, else cpu)");
-  add("min_tokens", "-b,--min-tokens", "N", "smallest token count of the sweep (cuda 1024, cpu 128)");
-  add("max_tokens", "-e,--max-tokens", "N", "largest token count of the sweep (cuda 16384, cpu 512)");
+  add("min_tokens", "-b,--min-tokens", "N",
+      "smallest token count of the sweep (cuda 1024, cpu 128)");
+  add("max_tokens", "-e,--max-tokens", "N",
+      "largest token count of the sweep (cuda 16384, cpu 512)");
   add("step_factor", "-f,--step-factor", "F", "multiply the token count by F between sizes (2)");
   add("tokens", "--tokens", "N,N,...", "explicit token counts, instead of -b/-e/-f");
   add("vocab_size", "--vocab", "V", "global vocabulary size (cuda 128256, cpu 32000)");
@@ -185,18 +211,23 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
   add("label_smoothing", "--label-smoothing", "E", "label smoothing in [0, 1) (0)");
   add("z_loss", "--z-loss", "W", "z-loss weight >= 0 (0)");
   add("softcap", "--softcap", "C", "final-logit softcap > 0, 0 for none (0)");
-  add("ignore_fraction", "--ignore-fraction", "P", "share of rows whose target is ignore_index, in [0, 1) (0)");
+  add("ignore_fraction", "--ignore-fraction", "P",
+      "share of rows whose target is ignore_index, in [0, 1) (0)");
   add("reduction", "--reduction", "mean|sum|none", "loss reduction (mean)");
   add("mode", "--mode", "fused|deferred|both", "gradient mode(s) to time (both)");
   add("iters", "-n,--iters", "N", "timed iterations (cuda 20, cpu 5)");
   add("warmup", "-w,--warmup", "N", "warm-up iterations (cuda 5, cpu 1)");
   add("seed", "--seed", "S", "seed of the generated logits and targets (1)");
   add("grad_output", "--grad-output", "G", "value of grad_output passed to backward (1)");
-  add("logit_range", "--logit-range", "R", "logits k*R/256, integers k in [-256, 128): per row a window of width R at its own offset; R a power of two in [1, 1024] (8)");
+  add("logit_range", "--logit-range", "R",
+      "logits k*R/256, integers k in [-256, 128): per row a window of width R at its own offset; R "
+      "a power of two in [1, 1024] (8)");
   add("json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)");
   bool check = false, graph = false;
-  opt["check"] = app.add_flag("-c,--check", check, "verify loss, lse and gradient against an fp64 reference (#wrong)");
-  opt["graph"] = app.add_flag("--graph", graph, "time forward and backward replayed from CUDA graphs");
+  opt["check"] = app.add_flag("-c,--check", check,
+                              "verify loss, lse and gradient against an fp64 reference (#wrong)");
+  opt["graph"] =
+      app.add_flag("--graph", graph, "time forward and backward replayed from CUDA graphs");
 
   try {
     app.parse(argc, argv);
@@ -215,7 +246,7 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       if (o.second->count() == 0) continue;
       Source x;
       x.where = o.second->get_name();  // the long name, e.g. "--min-tokens" for -b
-      x.value = o.first == "check" ? (check ? "true" : "false")
+      x.value = o.first == "check"   ? (check ? "true" : "false")
                 : o.first == "graph" ? (graph ? "true" : "false")
                                      : v[o.first];
       x.set = true;
@@ -226,8 +257,8 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       s.config = src["config"].value;
       std::map<std::string, Source> cfg;
       load_config(s.config, cfg);
-      const bool cli_sweep = src.count("tokens") || src.count("min_tokens") || src.count("max_tokens") ||
-                             src.count("step_factor");
+      const bool cli_sweep = src.count("tokens") || src.count("min_tokens") ||
+                             src.count("max_tokens") || src.count("step_factor");
       for (const auto& c : cfg) {
         const bool sweep_key = c.first == "tokens" || c.first == "min_tokens" ||
                                c.first == "max_tokens" || c.first == "step_factor";
@@ -252,7 +283,8 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       const Source& tp = get("tp");
       const int64_t t = to_int(tp, 1, 1 << 20);
       if (t != ranks)
-        refuse(tp, "this run has " + std::to_string(ranks) + " rank(s); launch one rank per tensor-parallel rank (mpirun -np " +
+        refuse(tp, "this run has " + std::to_string(ranks) +
+                       " rank(s); launch one rank per tensor-parallel rank (mpirun -np " +
                        std::to_string(t) + ")");
     }
 
@@ -276,31 +308,39 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
     s.pad_to = has("pad_to") ? to_int(get("pad_to"), 1, 1 << 24) : 1;
     s.padded = (s.vocab + s.pad_to - 1) / s.pad_to * s.pad_to;
     if (s.padded < ranks) {
-      const Source& w = has("vocab_size") ? get("vocab_size") : Source{std::to_string(s.vocab), "--vocab", true};
-      refuse(w, "the (padded) vocabulary must give every one of the " + std::to_string(ranks) + " ranks a column");
+      const Source& w =
+          has("vocab_size") ? get("vocab_size") : Source{std::to_string(s.vocab), "--vocab", true};
+      refuse(w, "the (padded) vocabulary must give every one of the " + std::to_string(ranks) +
+                    " ranks a column");
     }
 
     const std::vector<std::pair<std::string, int>> dtypes = {
         {"f32", kF32}, {"fp32", kF32}, {"float32", kF32}, {"bf16", kBF16}, {"bfloat16", kBF16},
         {"f16", kF16}, {"fp16", kF16}, {"float16", kF16}, {"half", kF16}};
     s.dtype = has("dtype") ? to_choice(get("dtype"), dtypes, "f32, bf16, f16") : kBF16;
-    s.reduction = has("reduction")
-                      ? to_choice(get("reduction"), {{"mean", kMean}, {"sum", kSum}, {"none", kNone}}, "mean, sum, none")
-                      : kMean;
+    s.reduction = has("reduction") ? to_choice(get("reduction"),
+                                               {{"mean", kMean}, {"sum", kSum}, {"none", kNone}},
+                                               "mean, sum, none")
+                                   : kMean;
     int mode = 2;
-    if (has("mode")) mode = to_choice(get("mode"), {{"fused", 0}, {"deferred", 1}, {"both", 2}}, "fused, deferred, both");
+    if (has("mode"))
+      mode = to_choice(get("mode"), {{"fused", 0}, {"deferred", 1}, {"both", 2}},
+                       "fused, deferred, both");
     if (mode == 0 || mode == 2) s.modes.push_back("fused");
     if (mode == 1 || mode == 2) s.modes.push_back("deferred");
 
-    if (has("label_smoothing")) s.label_smoothing = to_double(get("label_smoothing"), 0.0, 1.0, false, true);
+    if (has("label_smoothing"))
+      s.label_smoothing = to_double(get("label_smoothing"), 0.0, 1.0, false, true);
     if (has("z_loss")) s.z_loss = to_double(get("z_loss"), 0.0, 1e6);
     if (has("softcap")) s.softcap = to_double(get("softcap"), 0.0, 1e6);
-    if (has("ignore_fraction")) s.ignore_fraction = to_double(get("ignore_fraction"), 0.0, 1.0, false, true);
+    if (has("ignore_fraction"))
+      s.ignore_fraction = to_double(get("ignore_fraction"), 0.0, 1.0, false, true);
     if (has("grad_output")) s.grad_output = to_double(get("grad_output"), -1e6, 1e6);
     if (has("logit_range")) {
       s.logit_range = to_double(get("logit_range"), 1.0, 1024.0);
       int e2 = 0;
-      if (std::frexp(s.logit_range, &e2) != 0.5) refuse(get("logit_range"), "must be a power of two (1, 2, 4, ..., 1024)");
+      if (std::frexp(s.logit_range, &e2) != 0.5)
+        refuse(get("logit_range"), "must be a power of two (1, 2, 4, ..., 1024)");
     }
     s.iters = has("iters") ? static_cast<int>(to_int(get("iters"), 1, 1 << 20)) : (gpu ? 20 : 5);
     s.warmup = has("warmup") ? static_cast<int>(to_int(get("warmup"), 0, 1 << 20)) : (gpu ? 5 : 1);

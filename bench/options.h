@@ -10,11 +10,11 @@
 namespace xb {
 
 struct Settings {
-  std::string device;              // "cpu" or "cuda"
-  std::string config;              // --config path ("" for none)
-  std::string model;               // label from the config (or "custom")
-  std::vector<int64_t> tokens;     // the sweep
-  int64_t vocab = 0;               // real vocabulary size
+  std::string device;           // "cpu" or "cuda"
+  std::string config;           // --config path ("" for none)
+  std::string model;            // label from the config (or "custom")
+  std::vector<int64_t> tokens;  // the sweep
+  int64_t vocab = 0;            // real vocabulary size
   int64_t pad_to = 1;
   int64_t padded = 0;              // vocab rounded up to a multiple of pad_to
   int dtype = 1;                   // xb::DTypeCode
@@ -32,7 +32,7 @@ struct Settings {
   bool graph = false;
   uint64_t seed = 1;
   std::string json;
-  std::string command;             // argv, joined
+  std::string command;  // argv, joined
 };
 
 enum ParseStatus { kParseOk = 0, kParseHelp = 1, kParseError = 2 };

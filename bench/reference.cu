@@ -1,9 +1,8 @@
 // xent_dist_bench: the GPU side of the check. A plain fp64 softmax per row over the rank's
 // regenerated global row (one block per row), and an element-wise comparison of the gradient
 // shard against it. Independent of the library's kernels and math.
-#include <cub/block/block_reduce.cuh>
-
 #include <cstdio>
+#include <cub/block/block_reduce.cuh>
 #include <stdexcept>
 #include <string>
 
@@ -16,7 +15,8 @@ constexpr int kThreads = 256;
 
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string("xent_dist_bench: ") + what + ": " + cudaGetErrorString(e));
+    throw std::runtime_error(std::string("xent_dist_bench: ") + what + ": " +
+                             cudaGetErrorString(e));
 }
 
 int grid_for(int64_t n) {
@@ -60,7 +60,8 @@ __global__ void ref_rows_kernel(Problem p, RefRow* rows) {
     const double bsz = Reduce(tmp).Sum(sz);
     __syncthreads();
     double s = 0.0;
-    for (int64_t c = threadIdx.x; c < p.vocab; c += blockDim.x) s += exp(ref_z(p, gen_logit(p, r, c)) - gm);
+    for (int64_t c = threadIdx.x; c < p.vocab; c += blockDim.x)
+      s += exp(ref_z(p, gen_logit(p, r, c)) - gm);
     const double bs = Reduce(tmp).Sum(s);
     if (threadIdx.x == 0) {
       row.lse = gm + log(bs);
@@ -132,7 +133,8 @@ int64_t cuda_check_grad(const Problem& p, const void* grad, const RefRow* rows, 
       p, grad, rows, ref_row_scale(p, inv_valid), st);
   cuda_check(cudaGetLastError(), "check_grad_kernel");
   CheckState host;
-  cuda_check(cudaMemcpyAsync(&host, st, sizeof host, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  cuda_check(cudaMemcpyAsync(&host, st, sizeof host, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
   cuda_check(cudaStreamSynchronize(stream), "check_grad_kernel (synchronize)");
   cuda_check(cudaFree(st), "cudaFree");
   if (host.wrong && first && first->kind == 0) *first = host.first;

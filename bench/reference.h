@@ -1,5 +1,5 @@
-// xent_dist_bench: data generation and the independent fp64 reference, on the host (reference_host.cpp)
-// and on the GPU (reference.cu). See gen.h for the math.
+// xent_dist_bench: data generation and the independent fp64 reference, on the host
+// (reference_host.cpp) and on the GPU (reference.cu). See gen.h for the math.
 #pragma once
 
 #include <cuda_runtime_api.h>

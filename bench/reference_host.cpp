@@ -65,7 +65,8 @@ int64_t host_check_grad(const Problem& p, const void* grad, const std::vector<Re
       const double got = load_elem(p.dtype, grad, r * p.width + j);
       double want, tol;
       if (!check_grad_elem(p, ref, col, x, got, row_scale, &want, &tol)) {
-        if (wrong++ == 0 && first && first->kind == 0) *first = Mismatch{1, 0, r, col, got, want, tol};
+        if (wrong++ == 0 && first && first->kind == 0)
+          *first = Mismatch{1, 0, r, col, got, want, tol};
       }
     }
   }
@@ -76,7 +77,8 @@ int64_t check_outputs(const Problem& p, const std::vector<RefRow>& rows, const f
                       const float* lse, Mismatch* first) {
   int64_t wrong = 0;
   auto bad = [&](int kind, int64_t row, double got, double want, double tol) {
-    if (wrong++ == 0 && first && first->kind == 0) *first = Mismatch{kind, 0, row, -1, got, want, tol};
+    if (wrong++ == 0 && first && first->kind == 0)
+      *first = Mismatch{kind, 0, row, -1, got, want, tol};
   };
   if (p.reduction == kNone) {
     for (int64_t r = 0; r < p.rows; ++r) {

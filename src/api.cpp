@@ -177,7 +177,9 @@ void Group::reserve(int64_t rows, const Options& opt) const {
   impl_->ws.prepare(rows, static_cast<int>(record_bytes(opt) / sizeof(float)), size());
 }
 
-size_t Group::workspace_bytes() const { return impl_->ws.capacity; }
+size_t Group::workspace_bytes() const {
+  return impl_->ws.capacity;
+}
 
 void Group::check_errors(cudaStream_t stream) const {
   Workspace& ws = impl_->ws;

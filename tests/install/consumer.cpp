@@ -14,8 +14,8 @@ int main() {
   opt.grad_mode = xent::GradMode::none;
   xent::Outputs out;
   out.loss = &loss;
-  xent::forward(group, {logits, xent::DType::f32, 1, 3, 3}, {&target, xent::IndexType::i64, 1},
-                opt, out);
+  xent::forward(group, {logits, xent::DType::f32, 1, 3, 3}, {&target, xent::IndexType::i64, 1}, opt,
+                out);
   std::printf("loss %.7f, expected %.7f\n", loss, std::log(3.0));
   return std::fabs(loss - std::log(3.0f)) < 1e-6f ? 0 : 1;
 }
