@@ -291,6 +291,13 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
              const Outputs& out, cudaStream_t stream) {
   const core::Problem p = core::make_problem(logits, targets, opt);
   core::check_outputs(p, opt, out);
+  const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
+  if (out.grad.data != nullptr) {
+    if (opt.grad_mode != GradMode::fused)
+      core::fail(std::string("outputs.grad is set with grad_mode = ") + to_string(opt.grad_mode) +
+                 ": forward writes a gradient only with grad_mode = fused");
+    core::check_grad(p, logits, out.grad);
+  }
   Workspace& ws = group.workspace();
   const int ranks = group.size();
   const size_t bytes = p.layout.bytes_per_row() * static_cast<size_t>(p.rows);
@@ -306,14 +313,15 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
     if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
     cpu::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars);
     if (opt.grad_mode == GradMode::fused)
-      cpu::gradient(p, logits, logits, targets, lse, ws.scalars, nullptr);
+      cpu::gradient(p, logits, grad, targets, lse, ws.scalars, nullptr);
     return;
   }
 
   for (auto [ptr, name] : {std::pair<const void*, const char*>{logits.data, "logits.data"},
                            {targets.data, "targets.data"},
                            {out.loss, "outputs.loss"},
-                           {out.lse, "outputs.lse"}}) {
+                           {out.lse, "outputs.lse"},
+                           {out.grad.data, "outputs.grad.data"}}) {
     if (p.rows > 0) check_placement(group, ptr, name);
   }
   if (p.rows == 0) {  // nothing to gather (every rank has no rows); the reductions are 0
@@ -327,7 +335,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
   if (opt.grad_mode == GradMode::fused)
-    cuda::gradient(p, logits, logits, targets, lse, ws.scalars, nullptr, stream);
+    cuda::gradient(p, logits, grad, targets, lse, ws.scalars, nullptr, stream);
 }
 
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,

@@ -81,6 +81,9 @@ struct Outputs {
   float* z_loss = nullptr;    // [rows] optional: the z-loss term w * lse^2 of each row
   int64_t* argmax = nullptr;  // [rows] optional: global argmax column (compute_accuracy)
   float* accuracy = nullptr;  // [1] optional: share of non-ignored rows with argmax == target
+  // GradMode::fused only, optional: where forward writes the gradient (same dtype and shape as
+  // the logits, its own row stride, not overlapping them); data = null: over the logits.
+  LogitsView grad{};
 };
 
 // How stats records travel between ranks. Implementations: MPI (host memory), NCCL (device

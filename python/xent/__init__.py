@@ -1,8 +1,12 @@
-"""xent for PyTorch: loads libxent_torch.so, which registers torch.ops.xent.*.
+"""xent for PyTorch: loads libxent_torch.so, which registers torch.ops.xent.*, and the fake
+kernels that torch.compile needs (xent._fake).
 
     import xent                                       # finds and loads the library
     loss = xent.vocab_parallel_cross_entropy(logits_shard, target, group=tp_group)
     # the same:  torch.ops.xent.vocab_parallel_cross_entropy(logits_shard, target, tp_group.group_name)
+
+logits_shard is [..., this rank's vocabulary columns] and target [...] (any leading dimensions,
+e.g. Megatron's [seq, batch]); reduction="none" gives a loss of the target's shape.
 
 The library is the first of: $XENT_TORCH_LIB (a path), libxent_torch.so next to this file, then
 build/ and build-torch/ of the repository this file lives in (src/torch/libxent_torch.so there).
@@ -46,6 +50,7 @@ def library_path():
 
 
 torch.ops.load_library(library_path())
+from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 
 
 def _name(group):
@@ -56,9 +61,10 @@ def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-10
                                  label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
                                  vocab_start=-1, vocab_size=-1, grad_mode="fused",
                                  inplace_grad=False):
-    """The loss of this rank's logits shard [tokens, columns] against global targets [tokens].
+    """The loss of this rank's logits shard [..., columns] against global targets [...].
 
-    group: the tensor-parallel ProcessGroup (None: one rank, no communication).
+    group: the tensor-parallel ProcessGroup (None: one rank, no communication). Options as in
+    docs/torch.md; differentiable for the logits (torch.compile traces it with no graph break).
     """
     return torch.ops.xent.vocab_parallel_cross_entropy(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,

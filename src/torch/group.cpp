@@ -9,9 +9,11 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <utility>
@@ -177,6 +179,13 @@ Group group_for(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device
 
 Options core_options(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device,
                      int64_t cols, const CrossEntropyOptions& o) {
+  return detail::setup(group, device, cols, o).opt;
+}
+
+namespace detail {
+
+Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, int64_t cols,
+            const CrossEntropyOptions& o) {
   Options opt;
   opt.ignore_index = o.ignore_index;
   opt.label_smoothing = static_cast<float>(o.label_smoothing);
@@ -200,14 +209,14 @@ Options core_options(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::D
                 "layout from all ranks' widths");
     opt.vocab_start = o.vocab_start;
     opt.vocab_size = o.vocab_size;
-    return opt;
+    return {e.group, opt};
   }
   if (e.group.size() == 1) {  // nothing to plan: the only rank owns every column
     TORCH_CHECK(o.vocab_size <= cols, "xent: vocab_size = ", o.vocab_size, ": must be in [1, ",
                 cols, "], the columns of the only rank (columns past it are padding)");
     opt.vocab_start = 0;
     opt.vocab_size = o.vocab_size;
-    return opt;
+    return {e.group, opt};
   }
   // Planned once per (width, vocab_size) and cached on each rank, so that later calls need no
   // collective. Hence the contract: every rank switches layouts together (a model's vocabulary
@@ -220,8 +229,43 @@ Options core_options(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::D
     it = e.shards.emplace(key, s).first;
   }
   apply(it->second, opt);
-  return opt;
+  return {e.group, opt};
 }
+
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name) {
+  if (name.empty()) return {};
+  return c10d::resolve_process_group(name);
+}
+
+std::string name_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!group) return "";
+  const auto resolves_to_it = [&](const std::string& name) {
+    try {
+      return c10d::resolve_process_group(name).get() == group.get();
+    } catch (const c10::Error&) {  // not registered, or its group is gone
+      return false;
+    }
+  };
+  std::string name;
+  try {
+    name = group->getGroupName();
+  } catch (const c10::Error&) {  // a group without backends has no name
+  }
+  if (!name.empty() && resolves_to_it(name)) return name;
+  // A group made in C++ and never registered: register it under a name of xent's own (the
+  // registry holds it weakly), so that the operators can find it.
+  char own[64];
+  std::snprintf(own, sizeof own, "xent_unregistered_%p", static_cast<void*>(group.get()));
+  if (resolves_to_it(own)) return own;
+  try {
+    c10d::unregister_process_group(own);  // a dead group that lived at the same address
+  } catch (const c10::Error&) {
+  }
+  c10d::register_process_group(own, group);
+  return own;
+}
+
+}  // namespace detail
 
 Reduction parse_reduction(const std::string& name) {
   if (name == "mean") return Reduction::mean;

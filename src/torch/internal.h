@@ -1,11 +1,23 @@
-// Shared by the adapter's sources: the core's errors as LibTorch errors.
+// Shared by the adapter's sources: the core's errors as LibTorch errors, the arguments every
+// operator of torch.ops.xent takes, and the internal operators that the autograd function calls.
+//
+// The internal operators (torch.ops.xent._forward and friends, docs/torch.md) are functional
+// steps on 2-D logits [rows, cols] and 1-D targets [rows]; every piece of state they need is an
+// argument (the group by its c10d name, the options), so that torch.compile can trace the
+// autograd function into a graph of them. Their fake kernels live in python/xent/_fake.py.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/library.h>
 
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <tuple>
 #include <utility>
 
-#include "xent/xent.h"
+#include "xent/torch.h"
 
 namespace xent::torch::detail {
 
@@ -19,5 +31,61 @@ decltype(auto) core_call(F&& f) {
     TORCH_CHECK(false, e.what());
   }
 }
+
+// What describes the problem, as every operator's schema lists it after the tensors:
+//   str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap,
+//   str reduction, int vocab_start, int vocab_size
+struct OpArgs {
+  std::string group_name;  // "" is one rank, no process group
+  int64_t ignore_index = -100;
+  double label_smoothing = 0.0, z_loss = 0.0, softcap = 0.0;
+  std::string reduction = "mean";
+  int64_t vocab_start = -1, vocab_size = -1;
+};
+#define XENT_OP_ARGS_SCHEMA                                                                   \
+  "str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap, str " \
+  "reduction, int vocab_start, int vocab_size"
+
+// (loss, lse, z_loss, argmax, accuracy, grad): loss [rows] for reduction "none", else []; lse and
+// z_loss [rows]; argmax [rows] and accuracy [] with compute_accuracy, else both [0]; grad the
+// gradient [rows, cols] (contiguous) where _forward wrote one (with_grad), else [0].
+using ForwardOut =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Registers the internal operators' CPU and CUDA kernels (ops.cpp).
+void register_kernels(::torch::Library& m);
+
+// The internal operators, called through the dispatcher (so that fake tensors and tracing reach
+// their fake kernels).
+// mode none: the logits only read; fused: the gradient into a new tensor; fused_inplace: over
+// the logits (their storage, which the caller has bumped the version of).
+enum class ForwardMode { none, fused, fused_inplace };
+ForwardOut call_forward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
+                        ForwardMode mode, bool compute_accuracy);
+at::Tensor call_backward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
+                         const at::Tensor& lse, const std::optional<at::Tensor>& grad_output);
+void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
+                           const at::Tensor& lse, const std::optional<at::Tensor>& grad_output);
+void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tensor& target,
+                        const std::optional<at::Tensor>& grad_output);
+
+// The process group registered under `name` in c10d ("" gives null: one rank).
+c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name);
+// A c10d name under which `group` resolves: its own, or (a group made in C++ and never
+// registered) one that xent registers for it. "" for null.
+std::string name_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
+
+// The xent::Group and the core options of one call, planned (and cached) as core_options says.
+struct Setup {
+  Group group;
+  Options opt;
+};
+Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device, int64_t cols,
+            const CrossEntropyOptions& o);
+
+// The whole call on N-D logits (every public entry point ends here): shapes and types checked,
+// leading dimensions flattened, the autograd function applied when a gradient is wanted.
+CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const OpArgs& args,
+                       const CrossEntropyOptions& o);
 
 }  // namespace xent::torch::detail

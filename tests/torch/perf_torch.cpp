@@ -9,8 +9,8 @@
 //   raw               xent::forward (fused) + xent::backward, gradient in place
 //   op inplace        the torch API, grad_mode fused, inplace_grad = true (what raw does)
 //   op deferred/inpl  grad_mode deferred, inplace_grad = true
-//   op no-inpl        grad_mode fused, inplace_grad = false (runs deferred: the gradient goes
-//                     into a new tensor, the logits are only read; no copy)
+//   op no-inpl        grad_mode fused, inplace_grad = false (the gradient goes into a new
+//                     tensor in forward, the logits are only read; no copy)
 // ratio = op time / raw time; the target is op inplace <= 1.05.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>

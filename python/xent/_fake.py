@@ -1,0 +1,54 @@
+"""Fake (meta) kernels of the operators in torch.ops.xent, for torch.compile and FakeTensor.
+
+They compute only what the real kernels would return (shapes, dtypes, devices, strides); the
+library names this module (TORCH_LIBRARY's set_python_module), and `import xent` imports it.
+The public operators need none: they are CompositeImplicitAutograd, traced through into the
+internal ones below (docs/torch.md). check_errors synchronises: call it outside compiled code.
+"""
+
+import torch
+
+
+def _forward_outputs(logits, reduction, compute_accuracy, grad):
+    n = logits.shape[0]
+    loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    lse = logits.new_empty((n,), dtype=torch.float32)
+    z_loss = logits.new_empty((n,), dtype=torch.float32)
+    argmax = logits.new_empty((n if compute_accuracy else 0,), dtype=torch.int64)
+    accuracy = logits.new_empty(() if compute_accuracy else (0,), dtype=torch.float32)
+    if grad:
+        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    else:
+        grad = logits.new_empty((0,))
+    return loss, lse, z_loss, argmax, accuracy, grad
+
+
+@torch.library.register_fake("xent::_forward")
+def _forward(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
+             reduction, vocab_start, vocab_size, compute_accuracy, with_grad):
+    return _forward_outputs(logits, reduction, compute_accuracy, with_grad)
+
+
+@torch.library.register_fake("xent::_forward_inplace")
+def _forward_inplace(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
+                     reduction, vocab_start, vocab_size, compute_accuracy):
+    return _forward_outputs(logits, reduction, compute_accuracy, False)
+
+
+@torch.library.register_fake("xent::_backward")
+def _backward(logits, target, lse, grad_output, group_name, ignore_index, label_smoothing,
+              z_loss, softcap, reduction, vocab_start, vocab_size):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("xent::_backward_inplace")
+def _backward_inplace(logits, target, lse, grad_output, group_name, ignore_index,
+                      label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size):
+    return None
+
+
+@torch.library.register_fake("xent::_scale_inplace")
+def _scale_inplace(grad, target, grad_output, group_name, ignore_index, label_smoothing, z_loss,
+                   softcap, reduction, vocab_start, vocab_size):
+    return None
+

@@ -1,0 +1,202 @@
+// The kernels of the internal operators torch.ops.xent._forward, _forward_inplace, _backward,
+// _backward_inplace and _scale_inplace (schemas in op.cpp): each one call into the core on 2-D
+// logits and 1-D targets, outputs allocated with torch on the logits' device, the current CUDA
+// stream. The callers (function.cpp) have checked shapes and types; the core checks the rest.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <optional>
+#include <string>
+
+#include "internal.h"
+
+namespace xent::torch::detail {
+namespace {
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: return DType::f32;
+  }
+}
+
+LogitsView view_of(const at::Tensor& t) {
+  LogitsView v;
+  v.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  v.dtype = dtype_of(t);
+  v.rows = t.size(0);
+  v.cols = t.size(1);
+  v.row_stride = t.size(0) > 1 ? t.stride(0) : t.size(1);
+  return v;
+}
+
+TargetsView view_of_targets(const at::Tensor& t) {
+  TargetsView v;
+  v.data = t.numel() > 0 ? t.data_ptr() : nullptr;
+  v.type = t.scalar_type() == at::kInt ? IndexType::i32 : IndexType::i64;
+  v.rows = t.size(0);
+  return v;
+}
+
+cudaStream_t stream_of(const at::Device& d) {
+  return d.is_cuda() ? at::cuda::getCurrentCUDAStream(d.index()).stream() : nullptr;
+}
+
+CrossEntropyOptions options_of(c10::string_view group_name, int64_t ignore_index,
+                               double label_smoothing, double z_loss, double softcap,
+                               c10::string_view reduction, int64_t vocab_start,
+                               int64_t vocab_size) {
+  CrossEntropyOptions o;
+  o.ignore_index = ignore_index;
+  o.label_smoothing = label_smoothing;
+  o.z_loss = z_loss;
+  o.softcap = softcap;
+  o.reduction = parse_reduction(std::string(reduction));
+  o.vocab_start = vocab_start;
+  o.vocab_size = vocab_size;
+  return o;
+}
+
+// grad_output as the core takes it: float32, contiguous, on the logits' device; null means 1.
+const float* grad_output_ptr(const std::optional<at::Tensor>& go) {
+  if (!go || !go->defined() || go->numel() == 0) return nullptr;
+  TORCH_CHECK(go->scalar_type() == at::kFloat && go->is_contiguous(),
+              "xent: grad_output must be a contiguous float32 tensor, got ", go->scalar_type());
+  return go->data_ptr<float>();
+}
+
+// The forward. Inplace: the gradient (for grad_output = 1) over the logits. Otherwise, with_grad:
+// the gradient into a new contiguous tensor (the last output); neither: the logits only read.
+template <bool Inplace>
+ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
+                          c10::string_view group_name, int64_t ignore_index,
+                          double label_smoothing, double z_loss, double softcap,
+                          c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                          bool compute_accuracy, bool with_grad) {
+  const at::Device device = logits.device();
+  const at::OptionalDeviceGuard guard(device);
+  CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
+                                     reduction, vocab_start, vocab_size);
+  o.grad_mode = Inplace || with_grad ? GradMode::fused : GradMode::none;
+  o.compute_accuracy = compute_accuracy;
+  const Setup s = setup(resolve_group(std::string(group_name)), device, logits.size(1), o);
+
+  const int64_t n = logits.size(0);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  ForwardOut f;
+  auto& [loss, lse, zl, argmax, accuracy, grad] = f;
+  loss = s.opt.reduction == Reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
+  lse = at::empty({n}, f32);
+  zl = at::empty({n}, f32);
+  argmax = at::empty({compute_accuracy ? n : 0}, f32.dtype(at::kLong));
+  accuracy = compute_accuracy ? at::empty({}, f32) : at::empty({0}, f32);
+  grad = !Inplace && with_grad ? at::empty_like(logits, at::MemoryFormat::Contiguous)
+                               : at::empty({0}, logits.options());
+  Outputs out;
+  out.loss = loss.data_ptr<float>();
+  out.lse = lse.data_ptr<float>();
+  out.z_loss = zl.data_ptr<float>();
+  if (compute_accuracy) {
+    out.argmax = argmax.data_ptr<int64_t>();
+    out.accuracy = accuracy.data_ptr<float>();
+  }
+  if (!Inplace && with_grad) out.grad = view_of(grad);
+  core_call([&] {
+    xent::forward(s.group, view_of(logits), view_of_targets(target), s.opt, out,
+                  stream_of(device));
+  });
+  return f;
+}
+
+ForwardOut forward_op(const at::Tensor& logits, const at::Tensor& target,
+                      c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                      double z_loss, double softcap, c10::string_view reduction,
+                      int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
+                      bool with_grad) {
+  return forward_kernel<false>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
+                               softcap, reduction, vocab_start, vocab_size, compute_accuracy,
+                               with_grad);
+}
+
+ForwardOut forward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
+                              c10::string_view group_name, int64_t ignore_index,
+                              double label_smoothing, double z_loss, double softcap,
+                              c10::string_view reduction, int64_t vocab_start,
+                              int64_t vocab_size, bool compute_accuracy) {
+  return forward_kernel<true>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
+                              softcap, reduction, vocab_start, vocab_size, compute_accuracy,
+                              true);
+}
+
+// Deferred backward: into a new contiguous tensor, or (Inplace) over the logits.
+template <bool Inplace>
+at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
+                           const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
+                           c10::string_view group_name, int64_t ignore_index,
+                           double label_smoothing, double z_loss, double softcap,
+                           c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+  const at::Device device = logits.device();
+  const at::OptionalDeviceGuard guard(device);
+  CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
+                                     reduction, vocab_start, vocab_size);
+  o.grad_mode = GradMode::deferred;
+  const Setup s = setup(resolve_group(std::string(group_name)), device, logits.size(1), o);
+  const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
+  at::Tensor grad = Inplace ? logits : at::empty_like(logits, at::MemoryFormat::Contiguous);
+  core_call([&] {
+    xent::backward(s.group, view_of(logits), view_of(grad), view_of_targets(target), lse_ptr,
+                   grad_output_ptr(grad_output), s.opt, stream_of(device));
+  });
+  return grad;
+}
+
+at::Tensor backward_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                       const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
+                       int64_t ignore_index, double label_smoothing, double z_loss,
+                       double softcap, c10::string_view reduction, int64_t vocab_start,
+                       int64_t vocab_size) {
+  return backward_kernel<false>(logits, target, lse, grad_output, group_name, ignore_index,
+                                label_smoothing, z_loss, softcap, reduction, vocab_start,
+                                vocab_size);
+}
+
+void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
+                         const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
+                         c10::string_view group_name, int64_t ignore_index,
+                         double label_smoothing, double z_loss, double softcap,
+                         c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+  backward_kernel<true>(logits, target, lse, grad_output, group_name, ignore_index,
+                        label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size);
+}
+
+// Fused backward: the gradient is already in `grad`; scale its rows by grad_output (the kernel
+// skips rows whose factor is 1).
+void scale_inplace_op(const at::Tensor& grad, const at::Tensor& target,
+                      const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
+                      int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
+                      c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+  const at::Device device = grad.device();
+  const at::OptionalDeviceGuard guard(device);
+  CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
+                                     reduction, vocab_start, vocab_size);
+  o.grad_mode = GradMode::fused;
+  const Setup s = setup(resolve_group(std::string(group_name)), device, grad.size(1), o);
+  core_call([&] {
+    xent::backward(s.group, view_of(grad), view_of_targets(target), nullptr,
+                   grad_output_ptr(grad_output), s.opt, stream_of(device));
+  });
+}
+
+}  // namespace
+
+void register_kernels(::torch::Library& m) {
+  m.impl("_forward", &forward_op);
+  m.impl("_forward_inplace", &forward_inplace_op);
+  m.impl("_backward", &backward_op);
+  m.impl("_backward_inplace", &backward_inplace_op);
+  m.impl("_scale_inplace", &scale_inplace_op);
+}
+
+}  // namespace xent::torch::detail
