@@ -11,13 +11,14 @@ logits) is timed three ways, each the slowest rank's median:
   idle    after a barrier and a synchronize, with CUDA events around one step: how a training
           step reaches its loss, host latency included wherever it leaves the GPU waiting.
   b2b     20 steps back to back between two events, divided by 20.
-  host    time.perf_counter around the forward call and around the backward call while the GPU
-          is kept busy with queued work (no launch waits for the GPU): the host cost of a call.
-          Measured the same way for F.cross_entropy on this rank's shard (same tensors).
+  host    time.perf_counter around the forward call and around the backward call, steps in a
+          row while the GPU is kept busy with queued work (no launch waits for the GPU): the host
+          cost of a call. Measured the same way for F.cross_entropy on this rank's shard (same
+          tensors).
 
 With --raw-json (the JSON of `xent_dist_bench --json` for the same shapes and ranks, measured on
 the same machine), each GPU time is also shown as a ratio to the raw API's forward + backward.
---profile prints torch.profiler's table of the CPU time spent in xent's own functions.
+--profile prints torch.profiler's table of the CPU time per call (the largest totals first).
 --json FILE writes every number (rank 0).
 """
 
@@ -90,11 +91,12 @@ class Case:
         return step
 
     def host_times(self, fn_loss, reps):
-        """Median host microseconds of the forward call and of the backward call."""
+        """Median host microseconds of the forward call and of the backward call, `reps` steps
+        in a row behind one long queued kernel (the GPU stays busy, no call waits for it)."""
         fwd, bwd = [], []
+        torch.cuda.synchronize()
+        busy(self.device, ms=400.0)
         for _ in range(reps):
-            torch.cuda.synchronize()
-            busy(self.device)
             t0 = time.perf_counter()
             loss = fn_loss()
             t1 = time.perf_counter()
@@ -161,7 +163,7 @@ def raw_times(path, world):
     return best
 
 
-def profile(case, kind, rank):
+def profile(case, kind, rank, trace):
     from torch.profiler import ProfilerActivity, profile as prof
     step = case.op_step(kind)
     for _ in range(3):
@@ -171,6 +173,8 @@ def profile(case, kind, rank):
         for _ in range(5):
             step()
         torch.cuda.synchronize()
+    if rank == 0 and trace:
+        p.export_chrome_trace(f"{trace}-{kind}-{case.tokens}x{case.vocab}.json")
     if rank == 0:
         print(f"# torch.profiler, {kind}, 5 steps, {case.tokens} x {case.vocab}: CPU time per "
               f"call (us) of the xent operators and what they call", flush=True)
@@ -180,7 +184,7 @@ def profile(case, kind, rank):
                 continue
             rows.append((e.key, e.count, e.self_cpu_time_total / e.count,
                          e.cpu_time_total / e.count))
-        rows.sort(key=lambda r: -r[2] * r[1])
+        rows.sort(key=lambda r: -r[3] * r[1])
         print(f"#   {'name':60s} {'calls':>6s} {'self us':>9s} {'total us':>9s}")
         for name, n, self_us, tot_us in rows[:25]:
             print(f"#   {name[:60]:60s} {n:6d} {self_us:9.1f} {tot_us:9.1f}")
@@ -195,6 +199,7 @@ def main():
     ap.add_argument("--kinds", default="copy,inplace")
     ap.add_argument("--raw-json", default="")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trace", default="", help="with --profile: rank 0's Chrome trace, this prefix")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     shapes = args.shape or [(8192, 128256)]
@@ -243,7 +248,7 @@ def main():
                       f"{ri} {b2b:8.3f} {rb} {hf:7.1f} {hb:7.1f} {tf:8.1f} {tb:8.1f}", flush=True)
         if args.profile:
             for kind in kinds:
-                profile(case, kind, rank)
+                profile(case, kind, rank, args.trace)
         del case
         torch.cuda.empty_cache()
     if rank == 0 and args.json:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# What CI cannot run: on a GPU machine, build, run every test (GPU ones included), the NCCL dist
-# tests on all GPUs, compute-sanitizer on a representative subset, and the benchmark.
+# What CI cannot run: on a GPU machine, build (with the LibTorch adapter, as launch/torch.sh
+# configures it), run every test (GPU ones included: the Python suite through `import xent` on
+# CUDA, and over NCCL with 2 GPUs), the NCCL dist tests on all GPUs, and compute-sanitizer on a
+# representative subset.
 # Logs go to $XENT_LOGS (default: gpu-logs/); XENT_SANITIZE=0 skips the sanitizers and
 # XENT_CMAKE_ARGS adds configure arguments. Usage: bash launch/gpu_check.sh
 set -uo pipefail
@@ -12,8 +14,10 @@ ngpu=$(nvidia-smi -L | wc -l)
 arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '.')
 echo "== $ngpu GPU(s), sm_$arch"
 nvidia-smi -L
+source "$root/launch/torch.sh"
+torch_args=$(xent_torch_cmake_args)
 cmake -S "$root" -B "$root/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_ARCHITECTURES="$arch" ${XENT_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+  -DCMAKE_CUDA_ARCHITECTURES="$arch" $torch_args ${XENT_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
   { tail -n 40 "$logs/configure.log"; exit 1; }
 cmake --build "$root/build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
   { grep -E "error" -A3 "$logs/build.log" | head -60; exit 1; }

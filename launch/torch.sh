@@ -5,7 +5,7 @@
 #                           without it.
 #
 # With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
-# CUDA and NCCL wheels; a few GB), then prints
+# CUDA and NCCL wheels; a few GB), and pytest if it is missing (for tests/python), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
 #   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
 #   -DNCCL_INCLUDE_DIR=<.../include>
@@ -34,6 +34,11 @@ xent_torch_cmake_args() {
       xent_torch_say "building without the LibTorch adapter"
       return 0
     fi
+  fi
+  # The Python suite (ctest torch_python) runs under pytest.
+  if ! python3 -c 'import pytest' >/dev/null 2>&1; then
+    xent_torch_say "pytest is not importable: installing it from PyPI (python3 -m pip install pytest)"
+    python3 -m pip install pytest >&2 || xent_torch_say "pip could not install pytest: torch_python will fail"
   fi
   local info
   if ! info=$(python3 - <<'EOF' 2>/dev/null

@@ -301,3 +301,67 @@ TEST(OutOfPlace, AdjacentBuffersAreDisjoint) {
 }
 
 }  // namespace
+
+// Outputs::grad: a fused forward that writes the gradient into a separate buffer instead of over
+// the logits. The logits stay as they were, the buffer's row-stride gap is not written, and the
+// gradient is bitwise the in-place fused one.
+TEST(OutOfPlaceFused, ForwardWritesTheGradientElsewhereBitwise) {
+  const int64_t N = 29, V = 120, pad = 3;
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (Reduction red : {Reduction::mean, Reduction::none}) {
+      SCOPED_TRACE(std::string(xtest::dtype_name(dt)) + " " + xent::to_string(red));
+      const xtest::Matrix x = xtest::random_logits(N, V + pad, 21, dt);
+      const auto t = xtest::random_targets(N, V, 22, 0.2);
+      const xtest::HostTargets tg(t, IndexType::i32);
+      xent::Group g = xent::Group::local(xent::Backend::cpu);
+      xent::Options opt;
+      opt.reduction = red;
+      opt.vocab_size = V;
+      opt.label_smoothing = 0.1f;
+      opt.grad_mode = GradMode::fused;
+      std::vector<float> loss(red == Reduction::none ? N : 1), loss2(loss.size());
+
+      xtest::HostLogits logits = xtest::make_shard(x, 0, V + pad, dt, V + pad + 2);
+      const xtest::HostLogits before = logits;
+      const double gap = 1024.0;
+      xtest::HostLogits grad = blank_like(logits, V + pad + 5, gap);
+      xent::Outputs out;
+      out.loss = loss.data();
+      out.grad = grad.view();
+      xent::forward(g, logits.view(), tg.view(), opt, out);
+      EXPECT_TRUE(xtest::same_bytes(logits, before)) << "the logits were written";
+      const xtest::RefResult ref = xtest::reference(x, t, xtest::ref_options(opt, V));
+      EXPECT_TRUE(xtest::grad_matches(grad, ref, 0, {}, /*check_gap=*/true, gap));
+
+      xtest::HostLogits inplace = logits;
+      xent::Outputs out2;
+      out2.loss = loss2.data();
+      xent::forward(g, inplace.view(), tg.view(), opt, out2);
+      int differ = 0;
+      for (int64_t i = 0; i < N; ++i)
+        for (int64_t j = 0; j < V + pad; ++j)
+          differ += std::memcmp(grad.ptr(i, j), inplace.ptr(i, j), xtest::elem_size(dt)) != 0;
+      EXPECT_EQ(differ, 0) << "the gradient in a separate buffer differs from the in-place one";
+      EXPECT_EQ(loss, loss2);
+    }
+  }
+}
+
+TEST(OutOfPlaceFused, MisuseIsRefused) {
+  Misuse f;
+  xent::Outputs out;
+  std::vector<float> loss(1), lse(f.N);
+  out.loss = loss.data();
+  out.lse = lse.data();
+  out.grad = f.grad.view();
+  xent::Options opt = f.d.opt;
+  opt.grad_mode = GradMode::deferred;
+  std::string msg = error_of([&] { xent::forward(f.d.g, f.logits.view(), f.tg.view(), opt, out); });
+  EXPECT_THAT(msg, HasSubstr("outputs.grad"));
+  EXPECT_THAT(msg, HasSubstr("grad_mode = deferred"));
+  opt.grad_mode = GradMode::fused;
+  out.grad = f.logits.view();
+  out.grad.row_stride += 1;  // the logits' own storage with another stride: a partial overlap
+  msg = error_of([&] { xent::forward(f.d.g, f.logits.view(), f.tg.view(), opt, out); });
+  EXPECT_THAT(msg, HasSubstr("overlaps logits"));
+}
