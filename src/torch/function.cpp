@@ -167,6 +167,8 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
         call_forward(args, logits, target, mode, compute_accuracy);
     if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
 
+    // Only the loss takes a gradient: no zeros for the other outputs on every backward.
+    ctx->set_materialize_grads(false);
     save_args(ctx, args);
     ctx->saved_data["fused"] = fused;
     ctx->saved_data["inplace"] = inplace;
@@ -191,12 +193,14 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
                 fused ? "fused" : "deferred", ", inplace_grad = ", inplace,
                 "); to backward more than once use grad_mode = \"deferred\" with inplace_grad = "
                 "false");
+    // No gradient reached the loss (it was not used): the logits' gradient is zero.
+    if (!grads[0].defined())
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     const OpArgs args = load_args(ctx);
     const variable_list saved = ctx->get_saved_variables();  // checks the versions
     const at::Tensor& target = saved[1];
-    std::optional<at::Tensor> go;  // undefined means 1
-    if (grads[0].defined())
-      go = grads[0].to(saved[0].device(), at::kFloat).contiguous().view({-1});
+    const std::optional<at::Tensor> go =
+        grads[0].to(saved[0].device(), at::kFloat).contiguous().view({-1});
 
     at::Tensor grad;
     if (fused) {
