@@ -86,6 +86,8 @@ def check_errors(group=None, device=None):
     """Waits for the current stream, then raises if a target was out of range in a call on
     `group` and `device` (default: the current CUDA device) since the last check. The CUDA
     backend gives such rows a NaN loss instead of stopping; the CPU backend raises at once."""
-    if device is None:
+    if device is None:  # the CPU backend raises at once: nothing to check without a GPU
+        if not torch.cuda.is_available():
+            return
         device = torch.device("cuda", torch.cuda.current_device())
     torch.ops.xent.check_errors(_name(group), torch.device(device))

@@ -1,0 +1,303 @@
+"""xent's PyTorch operator on two ranks: each holds an uneven shard of the vocabulary (67 columns:
+34 and 33) of the same full logits, calls xent with group=dist.group.WORLD, and checks its loss and
+gradient shard against float64 F.cross_entropy on the full logits.
+
+Covered, on Gloo with CPU tensors always, and on NCCL with cuda:<rank> where there are 2 GPUs:
+  * 3-D logits [S, B, V/2], reduction none and mean, label smoothing 0.1 (exact across shards),
+    ignored rows, grad_mode fused and deferred, the gradient in place or into a new tensor;
+    float32, and bfloat16 for some;
+  * torch.compile(fullgraph=True) of a training step (logits = x @ w_shard.T) against eager;
+  * a bad input (label_smoothing=1.0) raises RuntimeError on every rank, and the group still
+    works afterwards (no rank hangs).
+
+How: a module-scoped fixture starts the two ranks as subprocesses running this file (the worker at
+the bottom), which meet through a file:// store in a temporary directory and write one JSON file
+per rank with every case's outcome (a traceback on failure) as they go; the ranks get a deadline
+and are killed past it. Each test asserts on one case's outcome on both ranks, with the child's
+message (and its stderr, if it died or hung) in the failure.
+
+Run (from the repository root, with the library built):
+    XENT_TORCH_LIB=$PWD/build/src/torch/libxent_torch.so PYTHONPATH=$PWD/python \
+        python3 -m pytest -q tests/python/test_torch_dist.py
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import traceback
+
+import pytest
+import torch
+
+WORLD = 2
+S, B, V, H = 4, 6, 67, 16  # logits [S, B, V], hidden size H of the compiled step
+WIDTHS = [34, 33]  # every rank's vocabulary columns, in rank order
+IGNORE = -100
+SMOOTHING = 0.1
+DEADLINE_S = 240  # both ranks, all cases (the first torch.compile is the slow part)
+
+# name -> (reduction, grad_mode, inplace_grad, dtype)
+LOSS_CASES = {
+    f"loss-{reduction}-{grad_mode}-{'inplace' if inplace else 'new_grad'}-{dtype}":
+        (reduction, grad_mode, inplace, dtype)
+    for dtype in ("fp32",)
+    for reduction in ("none", "mean")
+    for grad_mode in ("fused", "deferred")
+    for inplace in (False, True)
+}
+LOSS_CASES.update({
+    f"loss-{reduction}-fused-inplace-bf16": (reduction, "fused", True, "bf16")
+    for reduction in ("none", "mean")
+})
+# name -> (grad_mode, inplace_grad, backward_in_graph)
+COMPILE_CASES = {
+    f"compile-{grad_mode}-{'inplace' if inplace else 'new_grad'}-"
+    f"{'backward_in_graph' if in_graph else 'backward_outside'}": (grad_mode, inplace, in_graph)
+    for grad_mode in ("fused", "deferred")
+    for inplace in (False, True)
+    for in_graph in (True, False)
+}
+BAD_CASES = ["bad-label_smoothing_1"]
+CASES = list(LOSS_CASES) + list(COMPILE_CASES) + BAD_CASES
+
+BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+
+
+def shard_bounds(rank):
+    lo = sum(WIDTHS[:rank])
+    return lo, lo + WIDTHS[rank]
+
+
+# =============================================================================== the parent
+
+
+def _launch(backend, tmp):
+    """Runs both ranks to completion or the deadline; returns (per-rank results, per-rank log)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if backend == "nccl":  # no NVLink multicast (NVLS) on the shared machines
+        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   NVSHMEM_DISABLE_NVLS="1")
+    init = f"file://{tmp / 'store'}"
+    procs, logs = [], []
+    for rank in range(WORLD):
+        log = open(tmp / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), backend, str(rank), init, str(tmp)],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + DEADLINE_S
+    status = []
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+            status.append(f"exit status {p.returncode}")
+        except subprocess.TimeoutExpired:
+            status.append(f"killed after the {DEADLINE_S} s deadline (hung?)")
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    results, reports = [], []
+    for rank in range(WORLD):
+        path = tmp / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+        tail = (tmp / f"rank{rank}.log").read_text()[-3000:]
+        reports.append(f"rank {rank} ({backend}): {status[rank]}; its output ends:\n{tail}")
+    return results, reports
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """backend -> (per-rank results, per-rank report): each backend's ranks run once."""
+    runs = {}
+
+    def get(backend):
+        if backend not in runs:
+            runs[backend] = _launch(backend, tmp_path_factory.mktemp(f"xent_{backend}"))
+        return runs[backend]
+    return get
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks(backend, case, two_ranks):
+    results, reports = two_ranks(backend)
+    for rank in range(WORLD):
+        outcome = results[rank].get(case)
+        if outcome is None:
+            pytest.fail(f"rank {rank} never finished case {case}\n" + "\n".join(reports))
+        assert outcome["ok"], f"rank {rank}, case {case}:\n{outcome['error']}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_exit_cleanly(backend, two_ranks):
+    results, reports = two_ranks(backend)
+    for rank in range(WORLD):
+        assert results[rank].get("done", {}).get("ok"), "\n".join(reports)
+
+
+# =============================================================================== the ranks
+
+
+def _assert_close(got, want, rtol, what):
+    """max |got - want| <= rtol * max |want|, in float64; a NaN fails."""
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
+    g = got.detach().cpu().double()
+    w = want.detach().cpu().double()
+    scale = max(w.abs().max().item(), 1e-30)
+    err = (g - w).abs().max().item()
+    assert err <= rtol * scale, f"{what}: max |error| {err:.3e} > {rtol:g} * {scale:.3e}"
+
+
+def _grad_rtol(dtype):
+    return 2e-2 if dtype == torch.bfloat16 else 1e-5
+
+
+def _random(shape, seed, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64) * scale
+
+
+def _target(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, V, shape, generator=g)
+    t.view(-1)[3::5] = IGNORE
+    return t
+
+
+class Rank:
+    def __init__(self, backend, rank, init, out_dir):
+        import torch.distributed as dist
+        self.dist = dist
+        self.rank = rank
+        self.lo, self.hi = shard_bounds(rank)
+        if backend == "nccl":
+            self.device = torch.device("cuda", rank)
+            torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD,
+                                    device_id=self.device)
+        else:
+            self.device = torch.device("cpu")
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+        self.group = dist.group.WORLD
+        self.path = pathlib.Path(out_dir) / f"rank{rank}.json"
+        self.results = {}
+
+    def record(self, case, fn):
+        try:
+            fn()
+            self.results[case] = {"ok": True}
+        except BaseException:  # noqa: B902  (an assertion, a RuntimeError, anything)
+            self.results[case] = {"ok": False, "error": traceback.format_exc()}
+        self.path.write_text(json.dumps(self.results))  # as we go: a hang keeps what ran
+
+    def loss_case(self, reduction, grad_mode, inplace, dtype_name):
+        import xent
+        import torch.nn.functional as F
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+        full = _random((S, B, V), seed=0).to(dtype)  # the same on every rank
+        target = _target((S, B), seed=1)
+        weight = (torch.rand((S, B), generator=torch.Generator().manual_seed(2)) + 0.5
+                  if reduction == "none" else torch.tensor(1.0))
+
+        x = full.double().requires_grad_()
+        want = F.cross_entropy(x.view(-1, V), target.view(-1), ignore_index=IGNORE,
+                               label_smoothing=SMOOTHING, reduction=reduction)
+        want = want.view(S, B) if reduction == "none" else want
+        want.backward(weight.double())
+        want_grad = x.grad[..., self.lo:self.hi]
+
+        shard = full[..., self.lo:self.hi].contiguous().to(self.device).requires_grad_()
+        before, version = shard.detach().clone(), shard._version
+        logits = shard * 1.0 if inplace else shard  # in place: not a leaf
+        loss = xent.vocab_parallel_cross_entropy(
+            logits, target.to(self.device), self.group, reduction=reduction,
+            label_smoothing=SMOOTHING, grad_mode=grad_mode, inplace_grad=inplace)
+        assert loss.shape == want.shape, (tuple(loss.shape), tuple(want.shape))
+        _assert_close(loss, want.detach(), 1e-5, "loss")
+        loss.backward(weight.to(self.device))
+        _assert_close(shard.grad, want_grad, _grad_rtol(dtype), "gradient shard")
+        assert shard._version == version and torch.equal(shard.detach(), before), (
+            "the leaf logits shard was written")
+
+    def compile_case(self, grad_mode, inplace, backward_in_graph):
+        import xent
+        import torch.nn.functional as F
+        from torch._dynamo.utils import counters
+        group = self.group
+
+        def step(x, w, t):
+            logits = x @ w.t()  # [S * B, this rank's columns]
+            loss = xent.vocab_parallel_cross_entropy(
+                logits.view(S, B, -1), t.view(S, B), group, label_smoothing=SMOOTHING,
+                grad_mode=grad_mode, inplace_grad=inplace)
+            if backward_in_graph:
+                loss.backward()
+                return loss.detach()
+            return loss
+
+        x0 = _random((S * B, H), seed=3, scale=1.0).float()
+        w_full = _random((V, H), seed=4, scale=H ** -0.5).float()
+        target = _target((S * B,), seed=5)
+
+        def run(fn):
+            x = x0.clone().to(self.device).requires_grad_()
+            w = w_full[self.lo:self.hi].clone().to(self.device).requires_grad_()
+            loss = fn(x, w, target.to(self.device))
+            if not backward_in_graph:
+                loss.backward()
+            return loss.detach().clone(), x.grad, w.grad
+
+        eager = run(step)
+        # eager against float64 on the full vocabulary (x's gradient is a partial sum here)
+        xd, wd = x0.double(), w_full.double().requires_grad_()
+        want = F.cross_entropy(xd @ wd.t(), target, ignore_index=IGNORE,
+                               label_smoothing=SMOOTHING)
+        want.backward()
+        _assert_close(eager[0], want.detach(), 1e-5, "eager loss vs float64")
+        _assert_close(eager[2], wd.grad[self.lo:self.hi], 1e-5, "eager dw vs float64")
+
+        torch._dynamo.reset()
+        counters.clear()
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            got = run(torch.compile(step, fullgraph=True))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+        torch._dynamo.reset()
+        for g, e, what in zip(got, eager, ("loss", "dx", "dw")):
+            _assert_close(g, e, 1e-5, f"compiled {what} vs eager")
+
+    def bad_case(self):
+        import xent
+        x = _random((S, B, V), seed=0).float()[..., self.lo:self.hi].contiguous()
+        x = x.to(self.device).requires_grad_()
+        t = _target((S, B), seed=1).to(self.device)
+        try:
+            xent.vocab_parallel_cross_entropy(x, t, self.group, label_smoothing=1.0)
+        except RuntimeError as e:
+            assert "label_smoothing = 1" in str(e) and "[0, 1)" in str(e), str(e)
+        else:
+            raise AssertionError("label_smoothing = 1.0 raised no error")
+        # the group still works: a valid call (a collective) on every rank
+        loss = xent.vocab_parallel_cross_entropy(x, t, self.group, label_smoothing=SMOOTHING)
+        assert torch.isfinite(loss).item(), loss
+
+    def run_all(self):
+        for case, args in LOSS_CASES.items():
+            self.record(case, lambda: self.loss_case(*args))
+        for case in BAD_CASES:
+            self.record(case, self.bad_case)
+        for case, args in COMPILE_CASES.items():
+            self.record(case, lambda: self.compile_case(*args))
+        self.record("done", lambda: (self.dist.barrier(), self.dist.destroy_process_group()))
+
+
+if __name__ == "__main__":
+    backend_, rank_, init_, out_dir_ = sys.argv[1:5]
+    Rank(backend_, int(rank_), init_, out_dir_).run_all()
