@@ -66,7 +66,8 @@ def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-10
     group: the tensor-parallel ProcessGroup (None: one rank, no communication). Options as in
     docs/torch.md; differentiable for the logits (torch.compile traces it with no graph break).
     """
-    return torch.ops.xent.vocab_parallel_cross_entropy(
+    # The overload itself: no overload resolution on every call.
+    return torch.ops.xent.vocab_parallel_cross_entropy.default(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad)
 
@@ -77,7 +78,7 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
                                        grad_mode="fused", inplace_grad=False,
                                        compute_accuracy=False):
     """(loss, lse, z_loss, argmax, accuracy); argmax and accuracy are empty unless asked."""
-    return torch.ops.xent.vocab_parallel_cross_entropy_stats(
+    return torch.ops.xent.vocab_parallel_cross_entropy_stats.default(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy)
 

@@ -236,7 +236,9 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
   check_inputs(logits_in, target_in);
   parse_reduction(args.reduction);  // a bad name fails here, before any work
   const at::Tensor logits = as_rows(logits_in);
-  const at::Tensor target = target_in.reshape({-1}).contiguous();
+  const at::Tensor target = target_in.dim() == 1 && target_in.is_contiguous()
+                                ? target_in
+                                : target_in.reshape({-1}).contiguous();
   const bool autograd = o.grad_mode != GradMode::none && logits.requires_grad() &&
                         ::torch::autograd::GradMode::is_enabled();
   if (autograd && o.inplace_grad) {
