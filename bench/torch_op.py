@@ -5,8 +5,7 @@
 
 One process per GPU, the vocabulary split evenly over the ranks (a shape is tokens x global
 vocab). For each shape and each way of calling the op (`copy`: inplace_grad=False, the default;
-`inplace`: inplace_grad=True, fused; `graphs`: the default call under torch.compile with
-mode="reduce-overhead", i.e. CUDA graphs), forward + backward (torch.autograd.grad of the loss for the
+`inplace`: inplace_grad=True, fused), forward + backward (torch.autograd.grad of the loss for the
 logits) is timed three ways, each the slowest rank's median:
 
   idle    after a barrier and a synchronize, with CUDA events around one step: how a training
@@ -76,18 +75,6 @@ class Case:
         del base
 
     def op_step(self, kind):
-        if kind == "graphs":  # the op under torch.compile with CUDA graphs (no per-call host work)
-            x = self.leaf
-            if not hasattr(self, "_compiled"):
-                self._compiled = torch.compile(
-                    lambda x, t: xent.vocab_parallel_cross_entropy(x, t, self.group),
-                    mode="reduce-overhead", fullgraph=True)
-            f = self._compiled
-
-            def step():
-                loss = f(x, self.target)
-                return torch.autograd.grad(loss, [x])
-            return step
         if kind == "inplace":
             x = self.nonleaf
 
@@ -122,8 +109,6 @@ class Case:
 
     def host_op(self, kind, reps):
         self._x = self.nonleaf if kind == "inplace" else self.leaf
-        if kind == "graphs":
-            return self.host_times(lambda: self._compiled(self._x, self.target), reps)
         return self.host_times(
             lambda: xent.vocab_parallel_cross_entropy(self._x, self.target, self.group,
                                                       inplace_grad=(kind == "inplace")), reps)
@@ -211,7 +196,7 @@ def main():
                     help="tokens x global vocab, e.g. 8192x128256 (repeatable)")
     ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--kinds", default="copy,inplace,graphs")
+    ap.add_argument("--kinds", default="copy,inplace")
     ap.add_argument("--raw-json", default="")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", default="", help="with --profile: rank 0's Chrome trace, this prefix")
