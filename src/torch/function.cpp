@@ -57,9 +57,8 @@ using BackwardSig = R(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 at::Tensor call_backward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
                          const at::Tensor& lse, const std::optional<at::Tensor>& grad_output) {
   static const auto op = op_handle("xent::_backward").typed<BackwardSig<at::Tensor>>();
-  return op.call(logits, target, lse, grad_output, a.group_name, a.ignore_index,
-                 a.label_smoothing, a.z_loss, a.softcap, a.reduction, a.vocab_start,
-                 a.vocab_size);
+  return op.call(logits, target, lse, grad_output, a.group_name, a.ignore_index, a.label_smoothing,
+                 a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size);
 }
 
 void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
@@ -71,9 +70,9 @@ void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::
 
 void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tensor& target,
                         const std::optional<at::Tensor>& grad_output) {
-  using Sig = void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                   c10::string_view, int64_t, double, double, double, c10::string_view, int64_t,
-                   int64_t);
+  using Sig =
+      void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+           int64_t, double, double, double, c10::string_view, int64_t, int64_t);
   static const auto op = op_handle("xent::_scale_inplace").typed<Sig>();
   op.call(grad, target, grad_output, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
           a.softcap, a.reduction, a.vocab_start, a.vocab_size);
@@ -107,8 +106,8 @@ void check_inputs(const at::Tensor& logits, const at::Tensor& target) {
   TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
               "xent: target must hold int64 or int32 class indices, got ", target.scalar_type());
   TORCH_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-              "xent: target has shape ", target.sizes(), " but logits have shape ",
-              logits.sizes(), ": target must have the logits' shape without the last dimension (",
+              "xent: target has shape ", target.sizes(), " but logits have shape ", logits.sizes(),
+              ": target must have the logits' shape without the last dimension (",
               logits.sizes().slice(0, logits.dim() - 1), "), one class index per row");
   TORCH_CHECK(target.device() == logits.device(), "xent: target is on ", target.device(),
               " but logits are on ", logits.device(), ": both must be on the same device");
@@ -231,8 +230,8 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
 
 }  // namespace
 
-CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
-                       const OpArgs& args, const CrossEntropyOptions& o) {
+CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in, const OpArgs& args,
+                       const CrossEntropyOptions& o) {
   check_inputs(logits_in, target_in);
   parse_reduction(args.reduction);  // a bad name fails here, before any work
   const at::Tensor logits = as_rows(logits_in);

@@ -42,7 +42,7 @@ struct OpArgs {
   std::string reduction = "mean";
   int64_t vocab_start = -1, vocab_size = -1;
 };
-#define XENT_OP_ARGS_SCHEMA                                                                   \
+#define XENT_OP_ARGS_SCHEMA                                                                    \
   "str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap, str " \
   "reduction, int vocab_start, int vocab_size"
 

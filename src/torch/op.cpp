@@ -63,8 +63,8 @@ at::Tensor loss_op(const at::Tensor& logits, const at::Tensor& target, c10::stri
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_op(
     const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name,
     int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-    c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-    c10::string_view grad_mode, bool inplace_grad, bool compute_accuracy) {
+    c10::string_view reduction, int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
+    bool inplace_grad, bool compute_accuracy) {
   const detail::OpArgs a = op_args(group_name, ignore_index, label_smoothing, z_loss, softcap,
                                    reduction, vocab_start, vocab_size);
   CrossEntropyOptions o = options_of(a, grad_mode, inplace_grad);
@@ -114,12 +114,14 @@ TORCH_LIBRARY(xent, m) {
         "Tensor)");
   m.def("_forward_inplace(Tensor(a!) logits, Tensor target, " XENT_OP_ARGS_SCHEMA
         ", bool compute_accuracy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("_backward(Tensor logits, Tensor target, Tensor lse, Tensor? grad_output, "
-        XENT_OP_ARGS_SCHEMA ") -> Tensor");
-  m.def("_backward_inplace(Tensor(a!) logits, Tensor target, Tensor lse, Tensor? grad_output, "
-        XENT_OP_ARGS_SCHEMA ") -> ()");
-  m.def("_scale_inplace(Tensor(a!) grad, Tensor target, Tensor? grad_output, "
-        XENT_OP_ARGS_SCHEMA ") -> ()");
+  m.def(
+      "_backward(Tensor logits, Tensor target, Tensor lse, Tensor? "
+      "grad_output, " XENT_OP_ARGS_SCHEMA ") -> Tensor");
+  m.def(
+      "_backward_inplace(Tensor(a!) logits, Tensor target, Tensor lse, Tensor? "
+      "grad_output, " XENT_OP_ARGS_SCHEMA ") -> ()");
+  m.def("_scale_inplace(Tensor(a!) grad, Tensor target, Tensor? grad_output, " XENT_OP_ARGS_SCHEMA
+        ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(xent, CompositeImplicitAutograd, m) {

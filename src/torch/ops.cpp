@@ -71,10 +71,10 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go) {
 // the gradient into a new contiguous tensor (the last output); neither: the logits only read.
 template <bool Inplace>
 ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
-                          c10::string_view group_name, int64_t ignore_index,
-                          double label_smoothing, double z_loss, double softcap,
-                          c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                          bool compute_accuracy, bool with_grad) {
+                          c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                          double z_loss, double softcap, c10::string_view reduction,
+                          int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
+                          bool with_grad) {
   const at::Device device = logits.device();
   const at::OptionalDeviceGuard guard(device);
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
@@ -104,8 +104,7 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
   }
   if (!Inplace && with_grad) out.grad = view_of(grad);
   core_call([&] {
-    xent::forward(s.group, view_of(logits), view_of_targets(target), s.opt, out,
-                  stream_of(device));
+    xent::forward(s.group, view_of(logits), view_of_targets(target), s.opt, out, stream_of(device));
   });
   return f;
 }
@@ -123,11 +122,10 @@ ForwardOut forward_op(const at::Tensor& logits, const at::Tensor& target,
 ForwardOut forward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
                               c10::string_view group_name, int64_t ignore_index,
                               double label_smoothing, double z_loss, double softcap,
-                              c10::string_view reduction, int64_t vocab_start,
-                              int64_t vocab_size, bool compute_accuracy) {
+                              c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                              bool compute_accuracy) {
   return forward_kernel<true>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
-                              softcap, reduction, vocab_start, vocab_size, compute_accuracy,
-                              true);
+                              softcap, reduction, vocab_start, vocab_size, compute_accuracy, true);
 }
 
 // Deferred backward: into a new contiguous tensor, or (Inplace) over the logits.
@@ -154,21 +152,20 @@ at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
 
 at::Tensor backward_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
                        const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
-                       int64_t ignore_index, double label_smoothing, double z_loss,
-                       double softcap, c10::string_view reduction, int64_t vocab_start,
-                       int64_t vocab_size) {
+                       int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
+                       c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
   return backward_kernel<false>(logits, target, lse, grad_output, group_name, ignore_index,
                                 label_smoothing, z_loss, softcap, reduction, vocab_start,
                                 vocab_size);
 }
 
-void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
-                         const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
-                         c10::string_view group_name, int64_t ignore_index,
-                         double label_smoothing, double z_loss, double softcap,
-                         c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
-  backward_kernel<true>(logits, target, lse, grad_output, group_name, ignore_index,
-                        label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size);
+void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
+                         const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
+                         int64_t ignore_index, double label_smoothing, double z_loss,
+                         double softcap, c10::string_view reduction, int64_t vocab_start,
+                         int64_t vocab_size) {
+  backward_kernel<true>(logits, target, lse, grad_output, group_name, ignore_index, label_smoothing,
+                        z_loss, softcap, reduction, vocab_start, vocab_size);
 }
 
 // Fused backward: the gradient is already in `grad`; scale its rows by grad_output (the kernel
