@@ -562,13 +562,15 @@ struct Small {
     dlog->put(host.bytes.data(), host.bytes.size());
     dloss = std::make_unique<Buf>(64);
   }
-  void forward(int64_t rows, const std::vector<int64_t>& t, const xent::Options& o) {
+  void forward(int64_t rows, const std::vector<int64_t>& t, const xent::Options& o,
+               DType dtype = DType::f32) {
     xtest::HostTargets tg(t, IndexType::i64);
     dtgt = std::make_unique<Buf>(tg.bytes());
     dtgt->put(tg.view().data, tg.bytes());
     xent::LogitsView lv = host.view();
     lv.data = dlog->ptr();
     lv.rows = rows;
+    lv.dtype = dtype;  // (a narrower dtype reads fewer bytes of the same buffer)
     xent::TargetsView tv = tg.view();
     tv.data = dtgt->ptr();
     tv.rows = rows;
@@ -639,14 +641,46 @@ TEST_F(Dist, PlanShardCannotCoverVocabEveryRankThrows) {
   expect_group_still_works();
 }
 
+// The NCCL forward exchanges nothing on the host unless XENT_CHECK_RANKS=1 asks it to.
+bool host_checks() {
+  const char* e = std::getenv("XENT_CHECK_RANKS");
+  return !env().cuda || (e != nullptr && e[0] == '1');
+}
+
 TEST_F(Dist, OptionsDisagreeEveryRankThrows) {
-  if (env().cuda) GTEST_SKIP() << "the NCCL forward does not exchange options (no host sync)";
+  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no options (XENT_CHECK_RANKS=1)";
   {
     Small s;
     xent::Options o = s.opt;
     if (rank() == size() - 1) o.label_smoothing = 0.1f;  // one rank smooths, the others do not
     const std::string msg = every_rank_throws([&] { s.forward(6, s.targets, o); });
     EXPECT_THAT(msg, HasSubstr("label_smoothing"));
+  }
+  expect_group_still_works();
+}
+
+// Ranks that pass different targets, or logits of different dtypes, used to get a loss each
+// computed from mixed records, silently.
+TEST_F(Dist, TargetsDisagreeEveryRankThrows) {
+  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no targets (XENT_CHECK_RANKS=1)";
+  {
+    Small s;
+    std::vector<int64_t> t = s.targets;
+    if (rank() == size() - 1) t[2] = (t[2] + 1) % s.shard.vocab_size;  // still in range
+    const std::string msg = every_rank_throws([&] { s.forward(6, t, s.opt); });
+    EXPECT_THAT(msg, HasSubstr("targets differ between rank " + std::to_string(size() - 1)));
+  }
+  expect_group_still_works();
+}
+
+TEST_F(Dist, DtypeDisagreeEveryRankThrows) {
+  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no dtype (XENT_CHECK_RANKS=1)";
+  {
+    Small s;
+    const DType mine = rank() == size() - 1 ? DType::bf16 : DType::f32;
+    const std::string msg = every_rank_throws([&] { s.forward(6, s.targets, s.opt, mine); });
+    EXPECT_THAT(msg, HasSubstr("logits.dtype = bf16 on rank " + std::to_string(size() - 1)));
+    EXPECT_THAT(msg, HasSubstr("f32 on rank 0"));
   }
   expect_group_still_works();
 }

@@ -30,6 +30,11 @@ if [ "$ngpu" -ge 2 ]; then
   XENT_TEST_BACKEND=cuda mpirun -np "$ngpu" --oversubscribe "$root/build/dist_tests/xent_dist_tests" \
     >"$logs/dist_nccl.log" 2>&1 || status=1
   grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl.log" | sort | uniq -c
+  echo "== the same checks as the CPU backend's, opted into (XENT_CHECK_RANKS=1)"
+  XENT_CHECK_RANKS=1 XENT_TEST_BACKEND=cuda mpirun -np "$ngpu" --oversubscribe \
+    "$root/build/dist_tests/xent_dist_tests" --gtest_filter='*EveryRankThrows' \
+    >"$logs/dist_nccl_check_ranks.log" 2>&1 || status=1
+  grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl_check_ranks.log" | sort | uniq -c
 fi
 [ "${XENT_SANITIZE:-1}" = 0 ] && exit $status
 echo "== compute-sanitizer"

@@ -254,7 +254,11 @@ void apply(const Shard& shard, Options& opt) {
 }
 
 void check_layout(const Group& group, const Shard& mine, int64_t rows) {
-  core::LayoutHeader h{rows, mine.start, mine.width, mine.vocab_size, 0, -1, -1};
+  core::LayoutHeader h;
+  h.rows = rows;
+  h.vocab_start = mine.start;
+  h.width = mine.width;
+  h.vocab_size = mine.vocab_size;
   exchange_and_check(group, h, /*tiling=*/true);
 }
 
@@ -272,6 +276,17 @@ void check_placement(const Group& group, const void* ptr, const char* name) {
   if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
     core::fail(std::string(name) + " is host memory, but the group's backend is cuda: pass " +
                "device memory (or use a CPU group)");
+}
+
+// XENT_CHECK_RANKS=1: the CUDA backend also exchanges and compares every call's header across
+// ranks (layout, rows, options, dtype, targets), as the CPU backend always does. It copies the
+// targets to the host and synchronises: a debugging aid, read once per process.
+bool check_ranks_on_cuda() {
+  static const bool on = [] {
+    const char* e = std::getenv("XENT_CHECK_RANKS");
+    return e != nullptr && e[0] == '1';
+  }();
+  return on;
 }
 
 int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) {
@@ -304,11 +319,13 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   ws.prepare(p.rows, p.layout.fields, ranks);
   float* lse = out.lse ? out.lse : ws.lse;
 
+  // Every rank learns of every other rank's mistakes before any work, so all throw together.
+  // One rank (nothing to exchange) obeys the same tiling rule: its shard is the whole vocabulary.
+  core::LayoutHeader h = core::make_header(p, opt, logits.dtype);
   if (group.backend() == Backend::cpu) {
-    // Every rank learns of every other rank's mistakes before any work, so all throw together.
-    core::LayoutHeader h = core::make_header(p, opt);
+    h.targets_hash = core::hash_targets(p, targets);
     h.bad_row = first_bad_target(p, targets, &h.bad_target);
-    exchange_and_check(group, h, /*tiling=*/ranks > 1);
+    exchange_and_check(group, h, /*tiling=*/true);
     cpu::stats(p, logits, targets, ws.send);
     if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
     cpu::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars);
@@ -317,6 +334,19 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
     return;
   }
 
+  if (check_ranks_on_cuda()) {
+    const size_t tbytes = static_cast<size_t>(p.rows) * (targets.type == IndexType::i32 ? 4 : 8);
+    std::vector<char> host(tbytes);
+    if (tbytes > 0)
+      comm::check_cuda(cudaMemcpy(host.data(), targets.data, tbytes, cudaMemcpyDeviceToHost),
+                       "cudaMemcpy (XENT_CHECK_RANKS targets)");
+    const TargetsView on_host{host.data(), targets.type, targets.rows};
+    h.targets_hash = core::hash_targets(p, on_host);
+    h.bad_row = first_bad_target(p, on_host, &h.bad_target);
+    exchange_and_check(group, h, /*tiling=*/true);
+  } else if (ranks == 1) {
+    core::check_headers(&h, 1, /*check_tiling=*/true);  // host only: no synchronisation
+  }
   for (auto [ptr, name] : {std::pair<const void*, const char*>{logits.data, "logits.data"},
                            {targets.data, "targets.data"},
                            {out.loss, "outputs.loss"},

@@ -211,3 +211,25 @@ TEST(Errors, GroupUsableAfterError) {
 }
 
 }  // namespace
+
+// One rank obeys the tiling rule of many: its shard is the whole vocabulary. A gap (vocab_start
+// > 0) or a vocab_size past its columns used to give inf losses and a finite gradient, silently.
+namespace one_rank {
+TEST(Errors, OneRankShardMustStartAtZero) {
+  for (int64_t start : {3, 100}) {
+    Fixture f;
+    f.opt.vocab_start = start;
+    const std::string msg = error_of([&] { f.forward(); });
+    EXPECT_THAT(msg, HasSubstr("vocab_start = " + std::to_string(start) + " on rank 0"));
+    EXPECT_THAT(msg, HasSubstr("must be 0"));
+  }
+}
+
+TEST(Errors, OneRankShardMustCoverTheVocabulary) {
+  Fixture f;
+  f.opt.vocab_size = 20;  // 10 columns
+  const std::string msg = error_of([&] { f.forward(); });
+  EXPECT_THAT(msg, HasSubstr("sum to 10"));
+  EXPECT_THAT(msg, HasSubstr("vocab_size = 20"));
+}
+}  // namespace one_rank

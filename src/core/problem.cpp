@@ -4,6 +4,8 @@
 #include <sstream>
 #include <utility>
 
+#include "core/dtype.h"
+
 namespace xent::core {
 
 void fail(const std::string& message) {
@@ -97,7 +99,7 @@ void check_grad(const Problem& p, LogitsView logits, LogitsView grad) {
              "in-place backward) or not overlap their address range at all"));
 }
 
-LayoutHeader make_header(const Problem& p, const Options& opt) {
+LayoutHeader make_header(const Problem& p, const Options& opt, DType dtype) {
   // Options that change the loss must match on every rank, or each would report its own loss.
   auto mix = [](int64_t h, int64_t v) { return h * 1000003 ^ v; };
   int64_t h = 17;
@@ -108,7 +110,23 @@ LayoutHeader make_header(const Problem& p, const Options& opt) {
   h = mix(h, static_cast<int64_t>(opt.reduction));
   h = mix(h, static_cast<int64_t>(opt.grad_mode));
   h = mix(h, opt.compute_accuracy ? 1 : 0);
-  return LayoutHeader{p.rows, p.vocab_start, p.cols, p.vocab_size, h, -1, -1};
+  LayoutHeader header;
+  header.rows = p.rows;
+  header.vocab_start = p.vocab_start;
+  header.width = p.cols;
+  header.vocab_size = p.vocab_size;
+  header.options_hash = h;
+  header.dtype = static_cast<int64_t>(dtype);
+  return header;
+}
+
+int64_t hash_targets(const Problem& p, TargetsView targets) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the 8 bytes of each value
+  for (int64_t r = 0; r < p.rows; ++r) {
+    auto v = static_cast<uint64_t>(load_target(targets.data, targets.type, r));
+    for (int b = 0; b < 8; ++b, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+  }
+  return static_cast<int64_t>(h);
 }
 
 void check_headers(const LayoutHeader* all, int ranks, bool check_tiling) {
@@ -126,6 +144,13 @@ void check_headers(const LayoutHeader* all, int ranks, bool check_tiling) {
       fail(cat("options differ between rank ", k,
                " and rank 0: ignore_index, label_smoothing, z_loss, softcap, reduction, "
                "grad_mode and compute_accuracy must match on every rank"));
+    if (h.dtype != r0.dtype)
+      fail(cat("logits.dtype = ", to_string(static_cast<DType>(h.dtype)), " on rank ", k, " but ",
+               to_string(static_cast<DType>(r0.dtype)),
+               " on rank 0: every rank must pass logits of the same dtype"));
+    if (h.targets_hash != r0.targets_hash)
+      fail(cat("targets differ between rank ", k,
+               " and rank 0 (a hash of their values): every rank must pass the same targets"));
     if (check_tiling && h.vocab_start != next)
       fail(cat("vocab_start = ", h.vocab_start, " on rank ", k,
                ": shards must tile the "

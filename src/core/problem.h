@@ -33,14 +33,19 @@ void check_outputs(const Problem& p, const Options& opt, const Outputs& out);
 // intersection of the two address ranges.
 void check_grad(const Problem& p, LogitsView logits, LogitsView grad);
 
-// A fingerprint of everything all ranks must agree on (rows, vocab_size, options), exchanged by
-// the layout checks.
+// A fingerprint of everything all ranks must agree on (rows, layout, options, the logits' dtype,
+// the targets), exchanged by the layout checks (docs/design of the contracts: README, "The API").
 struct LayoutHeader {
-  int64_t rows, vocab_start, width, vocab_size;
-  int64_t options_hash;
-  int64_t bad_row, bad_target;  // first target out of range on this rank, or -1
+  int64_t rows = 0, vocab_start = 0, width = 0, vocab_size = 0;
+  int64_t options_hash = 0;
+  int64_t dtype = 0;         // the logits' DType: one model, one dtype on every rank
+  int64_t targets_hash = 0;  // of every target value (0 where not hashed: plan_shard, layouts)
+  int64_t bad_row = -1, bad_target = -1;  // first target out of range on this rank, or -1
 };
-LayoutHeader make_header(const Problem& p, const Options& opt);
+LayoutHeader make_header(const Problem& p, const Options& opt, DType dtype);
+// A hash of the target values (host memory), equal on two ranks iff (barring collisions) they
+// hold the same targets, whatever their index type.
+int64_t hash_targets(const Problem& p, TargetsView targets);
 // Checks the gathered headers of all ranks; every rank reaches the same verdict.
 void check_headers(const LayoutHeader* all, int ranks, bool check_tiling);
 

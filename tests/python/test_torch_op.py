@@ -504,3 +504,15 @@ OPCHECK_NAMES = ["forward_with_grad", "forward_no_grad", "backward", "forward_in
 def test_opcheck_internal_operators(device, reduction, name):
     op, args = opcheck_cases(device, reduction)[name]
     torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", [dict(vocab_start=3), dict(vocab_start=100),
+                                    dict(vocab_start=0, vocab_size=20)],
+                         ids=["start3", "start100", "size20"])
+def test_one_rank_layout_with_a_gap_is_refused(device, layout):
+    """One rank's shard is the whole vocabulary: a gap used to give inf losses, silently."""
+    x = torch.randn(4, 10, device=device, requires_grad=True)
+    t = torch.tensor([0, 2, 5, 9], device=device)
+    with pytest.raises(RuntimeError, match="vocab_start = |vocab_size = 20"):
+        xent.vocab_parallel_cross_entropy(x, t, reduction="none", **layout)
