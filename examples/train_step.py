@@ -49,7 +49,10 @@ def main():
     tp = dist.new_group(list(range(world)))  # the tensor-parallel group: here, every rank
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     if not cuda and dtype == torch.float16:
-        dtype = torch.float32
+        dtype = torch.float32  # half matmuls on CPU are slow or missing: say so, and what ran
+        if dist.get_rank() == 0:
+            print("fp16 on CPU: running in fp32 instead", flush=True)
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
     # The same model and batch on every rank (same seed); rank r owns vocabulary rows [lo, hi).
     g = torch.Generator().manual_seed(1234)
@@ -102,7 +105,7 @@ def main():
     dw = rel(weight.grad, w_ref.grad[lo:hi])
     tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}[dtype]
     ok = loss_err < 1e-4 and dh < tol and dw < tol
-    line = (f"rank {rank}/{world} {device} {args.dtype} tokens={T} vocab={V} shard=[{lo},{hi}) "
+    line = (f"rank {rank}/{world} {device} {dtype_name} tokens={T} vocab={V} shard=[{lo},{hi}) "
             f"loss={loss.item():.6f} ref={ref_loss.item():.6f} (rel {loss_err:.1e}) "
             f"d_hidden rel {dh:.1e} d_weight rel {dw:.1e} step {t_xent * 1e3:.2f} ms "
             f"{'OK' if ok else 'MISMATCH'}")
