@@ -3,7 +3,7 @@
 // bf16/fp16 rounding, shard slicing with a row stride, and per-dtype tolerances.
 //
 // The reference deliberately does NOT use the library's math (src/core/math.h): it is a plain
-// two-pass softmax in double, written from the formulas of ARCHITECTURE.md and PyTorch's
+// two-pass softmax in double, written from the formulas of docs/design.md and PyTorch's
 // definition of label smoothing:
 //   z_j   = c * tanh(x_j / c) with a softcap c > 0, else x_j;      only real columns j < V
 //   lse   = log sum_{j<V} exp(z_j)

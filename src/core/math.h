@@ -1,5 +1,5 @@
 // The formulas of the loss, written once for the CPU backend and the CUDA kernels alike.
-// Everything is fp32 whatever the logits' dtype (see ARCHITECTURE.md, "The math").
+// Everything is fp32 whatever the logits' dtype (docs/design.md, "The math").
 #pragma once
 
 #include <cmath>

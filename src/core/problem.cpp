@@ -101,8 +101,9 @@ void check_grad(const Problem& p, LogitsView logits, LogitsView grad) {
 
 LayoutHeader make_header(const Problem& p, const Options& opt, DType dtype) {
   // Options that change the loss must match on every rank, or each would report its own loss.
-  auto mix = [](int64_t h, int64_t v) { return h * 1000003 ^ v; };
-  int64_t h = 17;
+  // Unsigned: the multiplication wraps by definition (signed overflow would be undefined).
+  auto mix = [](uint64_t h, int64_t v) { return h * 1000003u ^ static_cast<uint64_t>(v); };
+  uint64_t h = 17;
   h = mix(h, opt.ignore_index);
   h = mix(h, static_cast<int64_t>(std::llround(opt.label_smoothing * 1e9)));
   h = mix(h, static_cast<int64_t>(std::llround(opt.z_loss * 1e9)));
@@ -115,7 +116,7 @@ LayoutHeader make_header(const Problem& p, const Options& opt, DType dtype) {
   header.vocab_start = p.vocab_start;
   header.width = p.cols;
   header.vocab_size = p.vocab_size;
-  header.options_hash = h;
+  header.options_hash = static_cast<int64_t>(h);
   header.dtype = static_cast<int64_t>(dtype);
   return header;
 }

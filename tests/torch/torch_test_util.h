@@ -1,5 +1,5 @@
 // Shared by the LibTorch adapter's tests: the double-precision references (PyTorch's own
-// cross_entropy where it has the option, else the formula of ARCHITECTURE.md written with torch
+// cross_entropy where it has the option, else the formula of docs/design.md written with torch
 // ops), tolerances, and process groups made in C++ (Gloo over a FileStore, NCCL).
 #pragma once
 
