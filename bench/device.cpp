@@ -2,6 +2,7 @@
 #include "device.h"
 
 #include <mpi.h>
+#include <unistd.h>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -51,6 +53,23 @@ class HostDevice final : public Device {
     return 0;
 #endif
   }
+  int64_t memory_available(std::string* how) override {
+    // MemAvailable counts the page cache the kernel can drop, unlike free pages; Linux 3.14+.
+    std::FILE* f = std::fopen("/proc/meminfo", "r");
+    long long kib = -1;
+    if (f) {
+      char line[256];
+      while (std::fgets(line, sizeof line, f))
+        if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+      std::fclose(f);
+    }
+    if (kib >= 0) {
+      if (how) *how = "host memory available (MemAvailable in /proc/meminfo)";
+      return static_cast<int64_t>(kib) * 1024;
+    }
+    if (how) *how = "free host memory (sysconf _SC_AVPHYS_PAGES)";
+    return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  }
   double copy_bandwidth(std::string* how) override {
     const size_t bytes = size_t(64) << 20;
     std::vector<char> a(bytes, 1), b(bytes, 2);
@@ -82,7 +101,7 @@ class HostDevice final : public Device {
 
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(int device) {
+  explicit CudaDevice(int device) : device_(device) {
     cuda_ok(cudaSetDevice(device), "cudaSetDevice");
     cuda_ok(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
@@ -119,6 +138,12 @@ class CudaDevice final : public Device {
     size_t free_b = 0, total = 0;
     cuda_ok(cudaMemGetInfo(&free_b, &total), "cudaMemGetInfo");
     return static_cast<int64_t>(total) - static_cast<int64_t>(free_b);
+  }
+  int64_t memory_available(std::string* how) override {
+    size_t free_b = 0, total = 0;
+    cuda_ok(cudaMemGetInfo(&free_b, &total), "cudaMemGetInfo");
+    if (how) *how = "free memory on GPU " + std::to_string(device_) + " (cudaMemGetInfo)";
+    return static_cast<int64_t>(free_b);
   }
   double copy_bandwidth(std::string* how) override {
     size_t bytes = size_t(1) << 30;
@@ -175,6 +200,7 @@ class CudaDevice final : public Device {
   }
 
  private:
+  int device_;
   std::vector<cudaEvent_t> ev_;
 };
 

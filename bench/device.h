@@ -28,6 +28,10 @@ class Device {
   virtual void sync() = 0;
   // Memory in use now: device memory (cudaMemGetInfo) or the heap (mallinfo2), in bytes.
   virtual int64_t memory_in_use() = 0;
+  // Memory a run may still take, in bytes: the GPU's free memory (cudaMemGetInfo), or the host's
+  // available memory (MemAvailable in /proc/meminfo, else free pages); `how` says which, as in
+  // "N bytes of <how>".
+  virtual int64_t memory_available(std::string* how) = 0;
   // Copy bandwidth in bytes/s (read + written), best of several; `how` says what was measured.
   virtual double copy_bandwidth(std::string* how) = 0;
 

@@ -246,17 +246,23 @@ class Bench {
     std::vector<Result> results;
     const size_t steps = s_.tokens.size() * s_.modes.size();
     size_t step = 0;
-    const bool progress = env_.rank == 0 && isatty(2);
+    // Rank 0 says what it is doing on stderr: CPU runs of GPU-sized presets take minutes per
+    // size. On a terminal the line is rewritten in place (and cleared before each row); in a log
+    // or a pipe each phase gets a line of its own.
+    const bool tty = isatty(2);
     for (const int64_t n : s_.tokens) {
-      std::vector<Result> rows = run_size(n, [&](const std::string& mode) {
-        if (progress) {
-          std::fprintf(stderr, "\r# [%zu/%zu] %" PRId64 " tokens, %s ...\033[K", ++step, steps, n,
-                       mode.c_str());
-          std::fflush(stderr);
-        }
+      std::vector<Result> rows = run_size(n, [&](const std::string& mode, bool timing) {
+        if (env_.rank != 0) return;
+        if (!timing) ++step;
+        const char* phase = timing ? "timing" : s_.check ? "checking" : "first call";
+        std::fprintf(stderr,
+                     "%sxent_dist_bench: [%zu/%zu] %" PRId64 " tokens x %" PRId64 ", %s: %s...%s",
+                     tty ? "\r" : "", step, steps, n, max_width_, mode.c_str(), phase,
+                     tty ? "\033[K" : "\n");
+        std::fflush(stderr);
       });
       for (Result& r : rows) {
-        if (progress) std::fprintf(stderr, "\r\033[K");
+        if (env_.rank == 0 && tty) std::fprintf(stderr, "\r\033[K");
         print_row(r);
         results.push_back(r);
       }
@@ -359,7 +365,7 @@ class Bench {
 
     std::vector<Result> results;
     for (size_t m = 0; m < s_.modes.size(); ++m) {
-      progress(s_.modes[m]);
+      progress(s_.modes[m], false);
       const bool fused = s_.modes[m] == "fused";
       opt.grad_mode = fused ? xent::GradMode::fused : xent::GradMode::deferred;
       auto fwd = [&] { xent::forward(group_, lv, tv, opt, out, stream); };
@@ -399,6 +405,7 @@ class Bench {
 
       // Timing: forward + backward on the buffer as it is (the gradient of the previous
       // iteration stands in for the logits: the same work, finite values).
+      progress(s_.modes[m], true);
       cudaGraphExec_t gf = nullptr, gb = nullptr;
       if (s_.graph) {
         gf = capture(fwd);
@@ -576,6 +583,98 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
   return j;
 }
 
+// ---- Up-front checks: before the first size, on every rank ---------------------------------
+
+std::string bytes_text(double b) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.0f bytes (%.1f GiB)", b, b / (1 << 30));
+  return buf;
+}
+
+// What one rank holds at once at `tokens` rows of `width` columns, in bytes (a size's buffers are
+// freed before the next, and the library's workspace grows to the largest). A double, not an
+// int64: tokens x width x 4 bytes can pass 2^63 with two flags each below 2^31, and must be
+// refused, not wrapped round to a size that fits.
+double bytes_needed(const Settings& s, double tokens, double width, int ranks) {
+  xent::Options opt;
+  opt.label_smoothing = static_cast<float>(s.label_smoothing);
+  const double record = static_cast<double>(xent::record_bytes(opt));
+  const double per_row = 8.0 + 4.0                             // targets (int64), lse
+                         + (s.reduction == kNone ? 8.0 : 0.0)  // loss and grad_output per row
+                         + 2.0 * record * (1 + ranks)  // the all-gather's buffers; the workspace's
+                         + 4.0                         // the workspace's lse
+                         + (s.check ? sizeof(RefRow) + 8.0 : 0.0);  // reference; loss, lse copies
+  // The logits: forward and backward write the gradient in place.
+  return tokens * width * static_cast<double>(dtype_bytes(s.dtype)) + tokens * per_row;
+}
+
+// The ranks that draw on the same memory as this one: on the CPU backend those on this node
+// (MemAvailable is the node's), on CUDA those on this rank's GPU (one, unless oversubscribed).
+int ranks_sharing(bool gpu, int device) {
+  MPI_Comm node = MPI_COMM_NULL, same = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_split(node, gpu ? device : 0, 0, &same);
+  int n = 1;
+  MPI_Comm_size(same, &n);
+  MPI_Comm_free(&same);
+  MPI_Comm_free(&node);
+  return n;
+}
+
+// Refuses, with exit status 2 on every rank, a sweep whose largest size cannot fit: otherwise it
+// fails only at allocation, sizes later, with an MPI_Abort. Returns false when refused.
+bool check_memory(const Settings& s, Device& dev, int64_t width, int sharing) {
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  const int64_t n = *std::max_element(s.tokens.begin(), s.tokens.end());
+  const double need = bytes_needed(s, static_cast<double>(n), static_cast<double>(width), ranks);
+  std::string how;
+  const double avail = static_cast<double>(dev.memory_available(&how));
+  int refused = need * sharing > avail ? 1 : 0, any = 0;
+  MPI_Allreduce(&refused, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (!any) return true;
+  int me = refused ? rank : ranks, speaker = 0;
+  MPI_Allreduce(&me, &speaker, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  if (rank == speaker) {
+    std::string m = "xent_dist_bench: " + s.tokens_from + ", " + s.vocab_from + ": " +
+                    std::to_string(n) + " tokens x " + std::to_string(width) + " columns of " +
+                    dtype_name(s.dtype) + " need " + bytes_text(need) + " per rank";
+    if (sharing > 1)
+      m += ", " + bytes_text(need * sharing) + " for the " + std::to_string(sharing) +
+           " ranks on this " + (dev.gpu() ? "GPU" : "node");
+    m += "; rank " + std::to_string(rank) + " has " + bytes_text(avail) + " of " + how +
+         (dev.gpu() ? ": use fewer tokens, or more ranks (GPUs)"
+                    : ": use fewer tokens, or more ranks over more nodes");
+    std::fprintf(stderr, "%s\n", m.c_str());
+    std::fflush(stderr);
+  }
+  return false;
+}
+
+// The CPU backend is plain loops: it goes over the logits at a few hundred MB/s per core, and the
+// presets are sized for GPUs (a preset's sweep takes many minutes). The estimate counts the
+// bytes the sweep goes over, per size and mode: generating the logits (1 pass), the first call
+// and each warm-up and timed iteration (3 passes: read twice, write once), and with --check the
+// fp64 reference (the global row twice and the shard once, each about 3 passes' worth: a hash
+// and an exp per element), at the rate of a slow core (measured: 0.15 GB/s), so that it errs long.
+constexpr double kCpuBytesPerSecond = 0.15e9;  // per core
+
+double cpu_seconds(const Settings& s, int64_t width, int sharing) {
+  const double eb = static_cast<double>(dtype_bytes(s.dtype));
+  const double passes =
+      1.0 + 3.0 * (1 + s.warmup + s.iters) +
+      (s.check ? 3.0 * (2.0 * static_cast<double>(s.vocab) / static_cast<double>(width) + 1.0)
+               : 0.0);
+  double bytes = 0.0;
+  for (const int64_t n : s.tokens)
+    bytes += static_cast<double>(n) * static_cast<double>(width) * eb * passes *
+             static_cast<double>(s.modes.size());
+  // Ranks beyond the node's cores share them (mpirun --oversubscribe).
+  const double cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  return bytes / kCpuBytesPerSecond * std::max(1.0, sharing / cores);
+}
+
 int run(const Settings& s) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -583,13 +682,27 @@ int run(const Settings& s) {
   xent::Group group =
       gpu ? xent::Group::from_mpi(MPI_COMM_WORLD) : xent::Group::host(MPI_COMM_WORLD);
   std::unique_ptr<Device> dev = gpu ? make_cuda_device(group.device()) : make_host_device();
+  int ranks = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  const int64_t width = s.padded / ranks + (s.padded % ranks ? 1 : 0);  // the widest shard
+  const int sharing = ranks_sharing(gpu, group.device());
+  if (!check_memory(s, *dev, width, sharing)) return 2;
+  if (!gpu && rank == 0) {
+    const double sec = cpu_seconds(s, width, sharing);
+    if (sec > 60)
+      std::fprintf(stderr,
+                   "xent_dist_bench: warning: this sweep may take about %.0f minutes on the CPU "
+                   "backend (%zu size(s) up to %" PRId64 " tokens x %" PRId64
+                   " columns, %zu mode(s), %d iteration(s) + %d warm-up%s; estimated at %.2f "
+                   "GB/s per core): the presets are sized for GPUs; --tokens 256 -n 1 -w 0 is "
+                   "quick\n",
+                   std::ceil(sec / 60), s.tokens.size(),
+                   *std::max_element(s.tokens.begin(), s.tokens.end()), width, s.modes.size(),
+                   s.iters, s.warmup, s.check ? ", --check" : "", kCpuBytesPerSecond / 1e9);
+  }
   const Env env = gather_env(*dev, group);
   Bench bench(s, group, *dev, env);
-  {
-    const int64_t P = env.ranks;
-    const int64_t width = s.padded / P + (s.padded % P ? 1 : 0);
-    if (rank == 0) print_header(s, env, width);
-  }
+  if (rank == 0) print_header(s, env, width);
   const std::vector<Result> results = bench.run();
 
   int64_t wrong = 0;

@@ -8,7 +8,9 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -30,8 +32,13 @@ struct Refused {
   std::string message;
 };
 
+// "--vocab = '32000'": how messages name a value.
+std::string named(const Source& s) {
+  return s.where + " = '" + s.value + "'";
+}
+
 [[noreturn]] void refuse(const Source& s, const std::string& rule) {
-  throw Refused{s.where + " = '" + s.value + "': " + rule};
+  throw Refused{named(s) + ": " + rule};
 }
 
 std::string trim(const std::string& t) {
@@ -136,13 +143,31 @@ std::string known_list() {
   return out;
 }
 
+// The whole file as text. Read here, not by YAML::LoadFile: its stream throws std::ios_failure
+// on a read error (a directory, an unreadable file), which would abort the rank.
+std::string read_config(const Source& where) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(where.value, ec))
+    refuse(where, "is a directory, not a YAML file");
+  std::FILE* f = std::fopen(where.value.c_str(), "rb");
+  const int open_err = errno;
+  if (!f) refuse(where, std::string("cannot open the file (") + std::strerror(open_err) + ")");
+  std::string text;
+  char buf[4096];
+  size_t got = 0;
+  while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+  const int err = std::ferror(f) ? errno : 0;
+  std::fclose(f);
+  if (err) refuse(where, std::string("cannot read the file (") + std::strerror(err) + ")");
+  return text;
+}
+
 void load_config(const std::string& path, std::map<std::string, Source>& src) {
   Source where{path, "--config", true};
+  const std::string text = read_config(where);
   YAML::Node root;
   try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    refuse(where, "cannot open the file");
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     refuse(where, std::string("not valid YAML: ") + e.what());
   }
@@ -189,7 +214,8 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       "both\n"
       "  mpirun -np 4 --oversubscribe xent_dist_bench --device cpu --check --tokens 64,256 --vocab "
       "32000\n"
-      "Exit status: 0 all good, 1 a #wrong value or a runtime error, 2 a refused flag or config.");
+      "Exit status: 0 all good, 1 a #wrong value or a runtime error, 2 a refused flag or config, "
+      "or a sweep that does not fit in memory.");
 
   std::map<std::string, std::string> v;  // key -> text given on the command line
   std::map<std::string, CLI::Option*> opt;
@@ -293,6 +319,7 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       refuse(get("tokens"), "give either a token list or -b/-e/-f, not both");
     if (has("tokens")) {
       s.tokens = to_int_list(get("tokens"));
+      s.tokens_from = named(get("tokens"));
     } else {
       int64_t b = gpu ? 1024 : 128, e = gpu ? 16384 : 512, f = 2;
       if (has("min_tokens")) b = to_int(get("min_tokens"), 1, INT32_MAX);
@@ -302,9 +329,16 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       if (!has("min_tokens") && b > e) b = e;
       if (e < b) refuse(get("max_tokens"), "is below --min-tokens " + std::to_string(b));
       for (int64_t n = b; n <= e; n *= f) s.tokens.push_back(n);
+      // What set the largest size: -e, else -b where it raised the default -e, else the default.
+      s.tokens_from = has("max_tokens") ? named(get("max_tokens"))
+                      : has("min_tokens") && e == b
+                          ? named(get("min_tokens"))
+                          : "--max-tokens = '" + std::to_string(e) + "' (the default)";
     }
 
     s.vocab = has("vocab_size") ? to_int(get("vocab_size"), 1, INT32_MAX) : (gpu ? 128256 : 32000);
+    s.vocab_from = has("vocab_size") ? named(get("vocab_size"))
+                                     : "--vocab = '" + std::to_string(s.vocab) + "' (the default)";
     s.pad_to = has("pad_to") ? to_int(get("pad_to"), 1, 1 << 24) : 1;
     s.padded = (s.vocab + s.pad_to - 1) / s.pad_to * s.pad_to;
     if (s.padded < ranks) {

@@ -15,6 +15,9 @@ struct Settings {
   std::string model;            // label from the config (or "custom")
   std::vector<int64_t> tokens;  // the sweep
   int64_t vocab = 0;            // real vocabulary size
+  // Where the sweep and the vocabulary came from, as refusals name them after parsing (the memory
+  // check): e.g. "--tokens = '4096,8192'", "configs/x.yaml: vocab_size = '128256'".
+  std::string tokens_from, vocab_from;
   int64_t pad_to = 1;
   int64_t padded = 0;              // vocab rounded up to a multiple of pad_to
   int dtype = 1;                   // xb::DTypeCode
