@@ -50,6 +50,7 @@ def library_path():
 
 
 torch.ops.load_library(library_path())
+from . import _dtensor  # noqa: E402
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 
 
@@ -65,7 +66,16 @@ def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-10
 
     group: the tensor-parallel ProcessGroup (None: one rank, no communication). Options as in
     docs/torch.md; differentiable for the logits (torch.compile traces it with no graph break).
+    logits may be a DTensor sharded on the last dimension over a 1-D DeviceMesh (group=None,
+    target replicated): the loss is then a replicated DTensor, as under loss_parallel().
     """
+    if _dtensor.is_dtensor(logits):
+        local, target, group, mesh = _dtensor.unwrap(logits, target, group, inplace_grad)
+        loss = vocab_parallel_cross_entropy(
+            local, target, group, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, reduction=reduction, vocab_start=vocab_start,
+            vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad)
+        return _dtensor.replicated(loss, mesh)
     # The overload itself: no overload resolution on every call.
     return torch.ops.xent.vocab_parallel_cross_entropy.default(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
@@ -77,7 +87,16 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
                                        reduction="mean", vocab_start=-1, vocab_size=-1,
                                        grad_mode="fused", inplace_grad=False,
                                        compute_accuracy=False):
-    """(loss, lse, z_loss, argmax, accuracy); argmax and accuracy are empty unless asked."""
+    """(loss, lse, z_loss, argmax, accuracy); argmax and accuracy are empty unless asked.
+    DTensor logits as in vocab_parallel_cross_entropy: every output a replicated DTensor."""
+    if _dtensor.is_dtensor(logits):
+        local, target, group, mesh = _dtensor.unwrap(logits, target, group, inplace_grad)
+        out = vocab_parallel_cross_entropy_stats(
+            local, target, group, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss=z_loss, softcap=softcap, reduction=reduction, vocab_start=vocab_start,
+            vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad,
+            compute_accuracy=compute_accuracy)
+        return tuple(_dtensor.replicated(t, mesh) for t in out)
     return torch.ops.xent.vocab_parallel_cross_entropy_stats.default(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy)

@@ -22,15 +22,14 @@ Run (from the repository root, with the library built):
 """
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import time
 import traceback
 
 import pytest
 import torch
+
+import ranks
 
 WORLD = 2
 S, B, V, H = 4, 6, 67, 16  # logits [S, B, V], hidden size H of the compiled step
@@ -76,39 +75,7 @@ def shard_bounds(rank):
 
 def _launch(backend, tmp):
     """Runs both ranks to completion or the deadline; returns (per-rank results, per-rank log)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if backend == "nccl":  # no NVLink multicast (NVLS) on the shared machines
-        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                   NVSHMEM_DISABLE_NVLS="1")
-    init = f"file://{tmp / 'store'}"
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(tmp / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), backend, str(rank), init, str(tmp)],
-            env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + DEADLINE_S
-    status = []
-    for rank, p in enumerate(procs):
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-            status.append(f"exit status {p.returncode}")
-        except subprocess.TimeoutExpired:
-            status.append(f"killed after the {DEADLINE_S} s deadline (hung?)")
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    results, reports = [], []
-    for rank in range(WORLD):
-        path = tmp / f"rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {})
-        tail = (tmp / f"rank{rank}.log").read_text()[-3000:]
-        reports.append(f"rank {rank} ({backend}): {status[rank]}; its output ends:\n{tail}")
-    return results, reports
+    return ranks.launch(__file__, backend, tmp, WORLD, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""Runs a test file's worker on several ranks, as subprocesses that meet through a file:// store:
+`python3 <worker_file> <backend> <rank> <init_method> <tmp>`. Each rank writes <tmp>/rank<k>.json
+(case -> {"ok": bool, "error": str}) as it goes; the ranks get a deadline and are killed past it,
+so that no test hangs, and a rank that died or hung is reported with the end of its output."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def launch(worker_file, backend, tmp, world=2, deadline_s=240):
+    """Runs `world` ranks to completion or the deadline; returns (per-rank results, reports)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if backend == "nccl":  # no NVLink multicast (NVLS) on the shared machines
+        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                   NVSHMEM_DISABLE_NVLS="1")
+    init = f"file://{tmp / 'store'}"
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(tmp / f"rank{rank}.log", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(worker_file), backend, str(rank), init, str(tmp)],
+            env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + deadline_s
+    status = []
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+            status.append(f"exit status {p.returncode}")
+        except subprocess.TimeoutExpired:
+            status.append(f"killed after the {deadline_s} s deadline (hung?)")
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    results, reports = [], []
+    for rank in range(world):
+        path = tmp / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else {})
+        tail = (tmp / f"rank{rank}.log").read_text()[-3000:]
+        reports.append(f"rank {rank} ({backend}): {status[rank]}; its output ends:\n{tail}")
+    return results, reports
