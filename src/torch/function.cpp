@@ -21,6 +21,40 @@
 namespace xent::torch {
 namespace detail {
 
+// ------------------------------------------------------------------------ options, arguments
+
+OpArgs OpArgs::of(c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                  double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
+                  int64_t vocab_size) {
+  OpArgs a;
+  a.group_name = std::string(group_name);
+  a.ignore_index = ignore_index;
+  a.label_smoothing = label_smoothing;
+  a.z_loss = z_loss;
+  a.softcap = softcap;
+  a.reduction = std::string(reduction);
+  a.vocab_start = vocab_start;
+  a.vocab_size = vocab_size;
+  return a;
+}
+
+OpArgs OpArgs::of(const CrossEntropyOptions& o, std::string group_name) {
+  return of(group_name, o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
+            to_string(o.reduction), o.vocab_start, o.vocab_size);
+}
+
+CrossEntropyOptions OpArgs::options() const {
+  CrossEntropyOptions o;
+  o.ignore_index = ignore_index;
+  o.label_smoothing = label_smoothing;
+  o.z_loss = z_loss;
+  o.softcap = softcap;
+  o.reduction = parse_reduction(reduction);
+  o.vocab_start = vocab_start;
+  o.vocab_size = vocab_size;
+  return o;
+}
+
 // ------------------------------------------------------------ the internal operators, by name
 
 namespace {
@@ -278,16 +312,7 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
 CrossEntropyResult vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& target,
                                                 const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                 const CrossEntropyOptions& o) {
-  detail::OpArgs a;
-  a.group_name = detail::name_of(pg);
-  a.ignore_index = o.ignore_index;
-  a.label_smoothing = o.label_smoothing;
-  a.z_loss = o.z_loss;
-  a.softcap = o.softcap;
-  a.reduction = to_string(o.reduction);
-  a.vocab_start = o.vocab_start;
-  a.vocab_size = o.vocab_size;
-  return detail::run(logits, target, a, o);
+  return detail::run(logits, target, detail::OpArgs::of(o, detail::name_of(pg)), o);
 }
 
 at::Tensor vocab_parallel_cross_entropy_loss(const at::Tensor& logits, const at::Tensor& target,

@@ -41,6 +41,15 @@ struct OpArgs {
   double label_smoothing = 0.0, z_loss = 0.0, softcap = 0.0;
   std::string reduction = "mean";
   int64_t vocab_start = -1, vocab_size = -1;
+
+  // The operator arguments, as the schemas list them (op.cpp, ops.cpp).
+  static OpArgs of(c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                   double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
+                   int64_t vocab_size);
+  // From the C++ API's options (the group by its c10d name).
+  static OpArgs of(const CrossEntropyOptions& o, std::string group_name);
+  // The C++ API's options that these arguments describe (the rest at their defaults).
+  CrossEntropyOptions options() const;
 };
 #define XENT_OP_ARGS_SCHEMA                                                                    \
   "str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap, str " \

@@ -21,31 +21,9 @@
 namespace xent::torch {
 namespace {
 
-detail::OpArgs op_args(c10::string_view group_name, int64_t ignore_index, double label_smoothing,
-                       double z_loss, double softcap, c10::string_view reduction,
-                       int64_t vocab_start, int64_t vocab_size) {
-  detail::OpArgs a;
-  a.group_name = std::string(group_name);
-  a.ignore_index = ignore_index;
-  a.label_smoothing = label_smoothing;
-  a.z_loss = z_loss;
-  a.softcap = softcap;
-  a.reduction = std::string(reduction);
-  a.vocab_start = vocab_start;
-  a.vocab_size = vocab_size;
-  return a;
-}
-
 CrossEntropyOptions options_of(const detail::OpArgs& a, c10::string_view grad_mode,
                                bool inplace_grad) {
-  CrossEntropyOptions o;
-  o.ignore_index = a.ignore_index;
-  o.label_smoothing = a.label_smoothing;
-  o.z_loss = a.z_loss;
-  o.softcap = a.softcap;
-  o.reduction = parse_reduction(a.reduction);
-  o.vocab_start = a.vocab_start;
-  o.vocab_size = a.vocab_size;
+  CrossEntropyOptions o = a.options();
   o.grad_mode = parse_grad_mode(std::string(grad_mode));
   o.inplace_grad = inplace_grad;
   return o;
@@ -55,8 +33,8 @@ at::Tensor loss_op(const at::Tensor& logits, const at::Tensor& target, c10::stri
                    int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
                    c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
                    c10::string_view grad_mode, bool inplace_grad) {
-  const detail::OpArgs a = op_args(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                   reduction, vocab_start, vocab_size);
+  const detail::OpArgs a = detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss,
+                                              softcap, reduction, vocab_start, vocab_size);
   return detail::run(logits, target, a, options_of(a, grad_mode, inplace_grad)).loss;
 }
 
@@ -65,8 +43,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_op(
     int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
     c10::string_view reduction, int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
     bool inplace_grad, bool compute_accuracy) {
-  const detail::OpArgs a = op_args(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                   reduction, vocab_start, vocab_size);
+  const detail::OpArgs a = detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss,
+                                              softcap, reduction, vocab_start, vocab_size);
   CrossEntropyOptions o = options_of(a, grad_mode, inplace_grad);
   o.return_lse = true;
   o.return_z_loss = true;

@@ -48,15 +48,9 @@ CrossEntropyOptions options_of(c10::string_view group_name, int64_t ignore_index
                                double label_smoothing, double z_loss, double softcap,
                                c10::string_view reduction, int64_t vocab_start,
                                int64_t vocab_size) {
-  CrossEntropyOptions o;
-  o.ignore_index = ignore_index;
-  o.label_smoothing = label_smoothing;
-  o.z_loss = z_loss;
-  o.softcap = softcap;
-  o.reduction = parse_reduction(std::string(reduction));
-  o.vocab_start = vocab_start;
-  o.vocab_size = vocab_size;
-  return o;
+  return OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                    vocab_start, vocab_size)
+      .options();
 }
 
 // grad_output as the core takes it: float32, contiguous, on the logits' device; null means 1.
