@@ -53,7 +53,7 @@ ngpu=0
 if [ "$device" != cpu ] && command -v nvidia-smi >/dev/null 2>&1; then
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 fi
-stamp=$(date +%Y%m%d-%H%M%S)
+stamp=$(date +%Y%m%d-%H%M%S)  # with the PID below: two runs in one second write two files
 host=$(hostname -s 2>/dev/null || hostname)
 results=${XENT_RESULTS:-$root/results}
 defaults=(--check)
@@ -67,7 +67,7 @@ if [ "$ngpu" -gt 0 ]; then
       defaults+=(--vocab 128256 --dtype bf16)
     fi
   fi
-  json="$results/xent-$host-${np}gpu-$stamp.json"
+  json="$results/xent-$host-${np}gpu-$stamp-$$.json"
   launch=("$root/launch/mpirun.sh" -np "$np")
   xent_say "$ngpu GPU(s): $np rank(s) on the CUDA backend"
 else
@@ -84,7 +84,7 @@ else
   [ $has_vocab -eq 1 ] || [ $has_config -eq 1 ] || defaults+=(--vocab 32000)
   sweep=""
   [ $has_sweep -eq 1 ] || defaults+=(--tokens 64,128,256) sweep=", a small sweep"
-  json="$results/xent-$host-cpu-$stamp.json"
+  json="$results/xent-$host-cpu-$stamp-$$.json"
   launch=(mpirun -np "$np" --oversubscribe --bind-to none)
   reason="no GPU visible"
   [ "$device" != cpu ] || reason="--device cpu"
