@@ -45,3 +45,13 @@ def launch(worker_file, backend, tmp, world=2, deadline_s=240):
         tail = (tmp / f"rank{rank}.log").read_text()[-3000:]
         reports.append(f"rank {rank} ({backend}): {status[rank]}; its output ends:\n{tail}")
     return results, reports
+
+
+def expect_case(results, reports, case):
+    """Fails the calling test unless every rank finished `case` and it went well there."""
+    import pytest
+    for rank, per_rank in enumerate(results):
+        outcome = per_rank.get(case)
+        if outcome is None:
+            pytest.fail(f"rank {rank} never finished case {case}\n" + "\n".join(reports))
+        assert outcome["ok"], f"rank {rank}, case {case}:\n{outcome['error']}"

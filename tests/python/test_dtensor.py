@@ -50,11 +50,7 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dtensor_matches_loss_parallel(backend, case, two_ranks):
     results, reports = two_ranks(backend)
-    for rank in range(WORLD):
-        outcome = results[rank].get(case)
-        if outcome is None:
-            pytest.fail(f"rank {rank} never finished case {case}\n" + "\n".join(reports))
-        assert outcome["ok"], f"rank {rank}, case {case}:\n{outcome['error']}"
+    ranks.expect_case(results, reports, case)
 
 
 # ================================================================================ the worker
