@@ -54,6 +54,11 @@ from . import _dtensor  # noqa: E402
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 
 
+# The overloads themselves: no attribute lookups or overload resolution on every call.
+_LOSS = torch.ops.xent.vocab_parallel_cross_entropy.default
+_STATS = torch.ops.xent.vocab_parallel_cross_entropy_stats.default
+
+
 def _name(group):
     return "" if group is None else group.group_name
 
@@ -76,8 +81,7 @@ def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-10
             z_loss=z_loss, softcap=softcap, reduction=reduction, vocab_start=vocab_start,
             vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad)
         return _dtensor.replicated(loss, mesh)
-    # The overload itself: no overload resolution on every call.
-    return torch.ops.xent.vocab_parallel_cross_entropy.default(
+    return _LOSS(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad)
 
@@ -97,7 +101,7 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
             vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad,
             compute_accuracy=compute_accuracy)
         return tuple(_dtensor.replicated(t, mesh) for t in out)
-    return torch.ops.xent.vocab_parallel_cross_entropy_stats.default(
+    return _STATS(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy)
 

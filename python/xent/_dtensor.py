@@ -7,7 +7,12 @@ the DTensor through to_local(), sharded as the logits are.
 """
 
 
+import torch
+
+
 def is_dtensor(x):
+    if type(x) is torch.Tensor:  # the common case, decided without an import on every call
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without DTensor

@@ -9,11 +9,11 @@ internal ones below (docs/torch.md). check_errors synchronises: call it outside 
 import torch
 
 
-def _forward_outputs(logits, reduction, compute_accuracy, grad):
+def _forward_outputs(logits, reduction, compute_accuracy, grad, with_stats):
     n = logits.shape[0]
     loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
-    lse = logits.new_empty((n,), dtype=torch.float32)
-    z_loss = logits.new_empty((n,), dtype=torch.float32)
+    lse = logits.new_empty((n if with_stats else 0,), dtype=torch.float32)
+    z_loss = logits.new_empty((n if with_stats else 0,), dtype=torch.float32)
     argmax = logits.new_empty((n if compute_accuracy else 0,), dtype=torch.int64)
     accuracy = logits.new_empty(() if compute_accuracy else (0,), dtype=torch.float32)
     if grad:
@@ -25,14 +25,14 @@ def _forward_outputs(logits, reduction, compute_accuracy, grad):
 
 @torch.library.register_fake("xent::_forward")
 def _forward(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
-             reduction, vocab_start, vocab_size, compute_accuracy, with_grad):
-    return _forward_outputs(logits, reduction, compute_accuracy, with_grad)
+             reduction, vocab_start, vocab_size, compute_accuracy, with_grad, with_stats):
+    return _forward_outputs(logits, reduction, compute_accuracy, with_grad, with_stats)
 
 
 @torch.library.register_fake("xent::_forward_inplace")
 def _forward_inplace(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
-                     reduction, vocab_start, vocab_size, compute_accuracy):
-    return _forward_outputs(logits, reduction, compute_accuracy, False)
+                     reduction, vocab_start, vocab_size, compute_accuracy, with_stats):
+    return _forward_outputs(logits, reduction, compute_accuracy, False, with_stats)
 
 
 @torch.library.register_fake("xent::_backward")

@@ -64,21 +64,22 @@ c10::OperatorHandle op_handle(const char* name) {
 }  // namespace
 
 ForwardOut call_forward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
-                        ForwardMode mode, bool compute_accuracy) {
+                        ForwardMode mode, bool compute_accuracy, bool with_stats) {
   using Sig = ForwardOut(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, double,
-                         double, double, c10::string_view, int64_t, int64_t, bool);
+                         double, double, c10::string_view, int64_t, int64_t, bool, bool);
   using SigGrad =
       ForwardOut(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, double, double,
-                 double, c10::string_view, int64_t, int64_t, bool, bool);
+                 double, c10::string_view, int64_t, int64_t, bool, bool, bool);
   if (mode == ForwardMode::fused_inplace) {
     static const auto op = op_handle("xent::_forward_inplace").typed<Sig>();
     return op.call(logits, target, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
-                   a.softcap, a.reduction, a.vocab_start, a.vocab_size, compute_accuracy);
+                   a.softcap, a.reduction, a.vocab_start, a.vocab_size, compute_accuracy,
+                   with_stats);
   }
   static const auto op = op_handle("xent::_forward").typed<SigGrad>();
   return op.call(logits, target, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
                  a.softcap, a.reduction, a.vocab_start, a.vocab_size, compute_accuracy,
-                 mode == ForwardMode::fused);
+                 mode == ForwardMode::fused, with_stats);
 }
 
 namespace {
@@ -160,30 +161,40 @@ at::Tensor as_rows(const at::Tensor& logits) {
   return flat.contiguous();
 }
 
-void save_args(AutogradContext* ctx, const OpArgs& a) {
-  auto& d = ctx->saved_data;
-  d["group_name"] = a.group_name;
-  d["ignore_index"] = a.ignore_index;
-  d["label_smoothing"] = a.label_smoothing;
-  d["z_loss"] = a.z_loss;
-  d["softcap"] = a.softcap;
-  d["reduction"] = a.reduction;
-  d["vocab_start"] = a.vocab_start;
-  d["vocab_size"] = a.vocab_size;
+// What backward needs besides the saved tensors, in one saved_data entry (a map entry per field
+// cost a microsecond of the forward call).
+void save_args(AutogradContext* ctx, const OpArgs& a, bool fused, bool inplace) {
+  c10::impl::GenericList list(c10::AnyType::get());
+  list.reserve(10);
+  for (c10::IValue v : {c10::IValue(a.group_name), c10::IValue(a.ignore_index),
+                        c10::IValue(a.label_smoothing), c10::IValue(a.z_loss),
+                        c10::IValue(a.softcap), c10::IValue(a.reduction),
+                        c10::IValue(a.vocab_start), c10::IValue(a.vocab_size), c10::IValue(fused),
+                        c10::IValue(inplace)})
+    list.push_back(std::move(v));
+  ctx->saved_data["args"] = std::move(list);
 }
 
-OpArgs load_args(AutogradContext* ctx) {
-  auto& d = ctx->saved_data;
-  OpArgs a;
-  a.group_name = d["group_name"].toStringRef();
-  a.ignore_index = d["ignore_index"].toInt();
-  a.label_smoothing = d["label_smoothing"].toDouble();
-  a.z_loss = d["z_loss"].toDouble();
-  a.softcap = d["softcap"].toDouble();
-  a.reduction = d["reduction"].toStringRef();
-  a.vocab_start = d["vocab_start"].toInt();
-  a.vocab_size = d["vocab_size"].toInt();
-  return a;
+struct SavedArgs {
+  OpArgs args;
+  bool fused = false, inplace = false;
+};
+
+SavedArgs load_args(AutogradContext* ctx) {
+  const c10::impl::GenericList e = ctx->saved_data["args"].toList();
+  SavedArgs s;
+  OpArgs& a = s.args;
+  a.group_name = e.get(0).toStringRef();
+  a.ignore_index = e.get(1).toInt();
+  a.label_smoothing = e.get(2).toDouble();
+  a.z_loss = e.get(3).toDouble();
+  a.softcap = e.get(4).toDouble();
+  a.reduction = e.get(5).toStringRef();
+  a.vocab_start = e.get(6).toInt();
+  a.vocab_size = e.get(7).toInt();
+  s.fused = e.get(8).toBool();
+  s.inplace = e.get(9).toBool();
+  return s;
 }
 
 class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParallelCrossEntropy> {
@@ -191,21 +202,24 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
   // Outputs: loss, lse, z_loss, argmax, accuracy (only the loss is differentiable).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const at::Tensor& target, const OpArgs& args, GradMode grad_mode,
-                               bool inplace, bool compute_accuracy) {
+                               bool inplace, bool compute_accuracy, bool with_stats) {
     const bool fused = grad_mode == GradMode::fused;
     const ForwardMode mode = !fused    ? ForwardMode::none
                              : inplace ? ForwardMode::fused_inplace
                                        : ForwardMode::fused;
-    auto [loss, lse, zl, argmax, accuracy, grad] =
-        call_forward(args, logits, target, mode, compute_accuracy);
+    ForwardOut out;
+    {
+      // Straight to the kernel: autograd's fallback for operators without an autograd kernel
+      // (boxed, a few microseconds) has nothing to do here, and the version bump is ours.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      out = call_forward(args, logits, target, mode, compute_accuracy, with_stats || !fused);
+    }
+    auto& [loss, lse, zl, argmax, accuracy, grad] = out;
     if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
 
     // Only the loss takes a gradient: no zeros for the other outputs on every backward.
     ctx->set_materialize_grads(false);
-    save_args(ctx, args);
-    ctx->saved_data["fused"] = fused;
-    ctx->saved_data["inplace"] = inplace;
-    ctx->saved_data["consumed"] = false;
+    save_args(ctx, args, fused, inplace);
     // Saved after the bump: autograd's version check then catches any later in-place change.
     if (mode == ForwardMode::fused_inplace)
       ctx->save_for_backward({logits, target});
@@ -218,9 +232,10 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const bool fused = ctx->saved_data["fused"].toBool();
-    const bool inplace = ctx->saved_data["inplace"].toBool();
-    TORCH_CHECK(!ctx->saved_data["consumed"].toBool(),
+    const SavedArgs saved_args = load_args(ctx);
+    const OpArgs& args = saved_args.args;
+    const bool fused = saved_args.fused, inplace = saved_args.inplace;
+    TORCH_CHECK(ctx->saved_data.find("consumed") == ctx->saved_data.end(),
                 "xent: backward through vocab_parallel_cross_entropy a second time, but the "
                 "first one finished the gradient in place (grad_mode = ",
                 fused ? "fused" : "deferred", ", inplace_grad = ", inplace,
@@ -228,27 +243,28 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
                 "false");
     // No gradient reached the loss (it was not used): the logits' gradient is zero.
     if (!grads[0].defined())
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-    const OpArgs args = load_args(ctx);
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
     const variable_list saved = ctx->get_saved_variables();  // checks the versions
     const at::Tensor& target = saved[1];
     const std::optional<at::Tensor> go =
         grads[0].to(saved[0].device(), at::kFloat).contiguous().view({-1});
 
-    at::Tensor grad;
-    if (fused) {
-      // The gradient for grad_output = 1 is in saved[0] (the logits, or forward's new tensor).
-      grad = saved[0].detach();
-      call_scale_inplace(args, grad, target, go);
-      ctx->saved_data["consumed"] = true;
-      ::torch::autograd::impl::bump_version(grad);
-    } else if (inplace) {
-      grad = saved[0].detach();
-      call_backward_inplace(args, grad, target, saved[2], go);
-      ctx->saved_data["consumed"] = true;
-      ::torch::autograd::impl::bump_version(grad);  // shares the logits' version counter
-    } else {
-      grad = call_backward(args, saved[0].detach(), target, saved[2], go);
+    // The gradient for grad_output = 1 is in saved[0] when fused (the logits, or forward's new
+    // tensor); deferred in place writes it there too.
+    at::Tensor grad = saved[0].detach();
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in forward
+      if (fused)
+        call_scale_inplace(args, grad, target, go);
+      else if (inplace)
+        call_backward_inplace(args, grad, target, saved[2], go);
+      else
+        grad = call_backward(args, grad, target, saved[2], go);
+    }
+    if (fused || inplace) {
+      ctx->saved_data["consumed"] = true;  // its presence says so
+      ::torch::autograd::impl::bump_version(grad);  // shares saved[0]'s version counter
     }
     if (::torch::autograd::GradMode::is_enabled()) {
       // create_graph: the gradient is not itself differentiable; fail if that is ever needed.
@@ -258,7 +274,8 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
                  1)
                  .apply({grad.detach().requires_grad_()})[0];
     }
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad,         at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -283,16 +300,18 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
                 "xent: inplace_grad = true but the logits are a view of a leaf tensor that "
                 "requires grad: their storage cannot hold the gradient (use inplace_grad = false)");
   }
+  // lse and z_loss as outputs of their own only where asked (the fused loss needs neither).
+  const bool with_stats = o.return_lse || o.return_z_loss;
   at::Tensor loss, lse, zl, argmax, accuracy;
   if (autograd) {
-    variable_list out = VocabParallelCrossEntropy::apply(logits, target, args, o.grad_mode,
-                                                         o.inplace_grad, o.compute_accuracy);
+    variable_list out = VocabParallelCrossEntropy::apply(
+        logits, target, args, o.grad_mode, o.inplace_grad, o.compute_accuracy, with_stats);
     loss = out[0], lse = out[1], zl = out[2], argmax = out[3], accuracy = out[4];
   } else {
     // Nothing will ask for a gradient: the logits are only read.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     std::tie(loss, lse, zl, argmax, accuracy, std::ignore) =
-        call_forward(args, logits, target, ForwardMode::none, o.compute_accuracy);
+        call_forward(args, logits, target, ForwardMode::none, o.compute_accuracy, with_stats);
   }
   // Per-row outputs take the target's shape.
   const at::IntArrayRef shape = target_in.sizes();

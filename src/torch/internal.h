@@ -56,8 +56,9 @@ struct OpArgs {
   "reduction, int vocab_start, int vocab_size"
 
 // (loss, lse, z_loss, argmax, accuracy, grad): loss [rows] for reduction "none", else []; lse and
-// z_loss [rows]; argmax [rows] and accuracy [] with compute_accuracy, else both [0]; grad the
-// gradient [rows, cols] (contiguous) where _forward wrote one (with_grad), else [0].
+// z_loss [rows] with with_stats, else both [0]; argmax [rows] and accuracy [] with
+// compute_accuracy, else both [0]; grad the gradient [rows, cols] (contiguous) where _forward
+// wrote one (with_grad), else [0].
 using ForwardOut =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -70,7 +71,7 @@ void register_kernels(::torch::Library& m);
 // the logits (their storage, which the caller has bumped the version of).
 enum class ForwardMode { none, fused, fused_inplace };
 ForwardOut call_forward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
-                        ForwardMode mode, bool compute_accuracy);
+                        ForwardMode mode, bool compute_accuracy, bool with_stats);
 at::Tensor call_backward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
                          const at::Tensor& lse, const std::optional<at::Tensor>& grad_output);
 void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,

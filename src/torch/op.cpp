@@ -88,10 +88,11 @@ TORCH_LIBRARY(xent, m) {
       "-> (Tensor loss, Tensor lse, Tensor z_loss, Tensor argmax, Tensor accuracy)");
   // Internal: 2-D logits [rows, cols], 1-D target [rows] (docs/torch.md).
   m.def("_forward(Tensor logits, Tensor target, " XENT_OP_ARGS_SCHEMA
-        ", bool compute_accuracy, bool with_grad) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)");
+        ", bool compute_accuracy, bool with_grad, bool with_stats) -> (Tensor, Tensor, Tensor, "
+        "Tensor, Tensor, Tensor)");
   m.def("_forward_inplace(Tensor(a!) logits, Tensor target, " XENT_OP_ARGS_SCHEMA
-        ", bool compute_accuracy) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ", bool compute_accuracy, bool with_stats) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
   m.def(
       "_backward(Tensor logits, Tensor target, Tensor lse, Tensor? "
       "grad_output, " XENT_OP_ARGS_SCHEMA ") -> Tensor");

@@ -68,7 +68,7 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
                           c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                           double z_loss, double softcap, c10::string_view reduction,
                           int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
-                          bool with_grad) {
+                          bool with_grad, bool with_stats) {
   const at::Device device = logits.device();
   const at::OptionalDeviceGuard guard(device);
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
@@ -82,16 +82,18 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
   ForwardOut f;
   auto& [loss, lse, zl, argmax, accuracy, grad] = f;
   loss = s.opt.reduction == Reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
-  lse = at::empty({n}, f32);
-  zl = at::empty({n}, f32);
+  lse = at::empty({with_stats ? n : 0}, f32);
+  zl = at::empty({with_stats ? n : 0}, f32);
   argmax = at::empty({compute_accuracy ? n : 0}, f32.dtype(at::kLong));
   accuracy = compute_accuracy ? at::empty({}, f32) : at::empty({0}, f32);
   grad = !Inplace && with_grad ? at::empty_like(logits, at::MemoryFormat::Contiguous)
                                : at::empty({0}, logits.options());
   Outputs out;
   out.loss = loss.data_ptr<float>();
-  out.lse = lse.data_ptr<float>();
-  out.z_loss = zl.data_ptr<float>();
+  if (with_stats) {
+    out.lse = lse.data_ptr<float>();
+    out.z_loss = zl.data_ptr<float>();
+  }
   if (compute_accuracy) {
     out.argmax = argmax.data_ptr<int64_t>();
     out.accuracy = accuracy.data_ptr<float>();
@@ -107,19 +109,20 @@ ForwardOut forward_op(const at::Tensor& logits, const at::Tensor& target,
                       c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                       double z_loss, double softcap, c10::string_view reduction,
                       int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
-                      bool with_grad) {
+                      bool with_grad, bool with_stats) {
   return forward_kernel<false>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
                                softcap, reduction, vocab_start, vocab_size, compute_accuracy,
-                               with_grad);
+                               with_grad, with_stats);
 }
 
 ForwardOut forward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
                               c10::string_view group_name, int64_t ignore_index,
                               double label_smoothing, double z_loss, double softcap,
                               c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                              bool compute_accuracy) {
+                              bool compute_accuracy, bool with_stats) {
   return forward_kernel<true>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
-                              softcap, reduction, vocab_start, vocab_size, compute_accuracy, true);
+                              softcap, reduction, vocab_start, vocab_size, compute_accuracy, true,
+                              with_stats);
 }
 
 // Deferred backward: into a new contiguous tensor, or (Inplace) over the logits.

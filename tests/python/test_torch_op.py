@@ -482,13 +482,13 @@ def opcheck_cases(device, reduction):
     args = OP_ARGS + (reduction, -1, -1)
     x = random_logits((N, V), device=device)
     t = random_target((N,), device)
-    _, lse, _, _, _, grad = ops._forward.default(x, t, *args, False, True)
+    _, lse, _, _, _, grad = ops._forward.default(x, t, *args, False, True, True)
     go = grad_output_for(reduction, (N,), device).float()
     return {
-        "forward_with_grad": (ops._forward.default, (x, t, *args, False, True)),
-        "forward_no_grad": (ops._forward.default, (x, t, *args, True, False)),
+        "forward_with_grad": (ops._forward.default, (x, t, *args, False, True, False)),
+        "forward_no_grad": (ops._forward.default, (x, t, *args, True, False, True)),
         "backward": (ops._backward.default, (x, t, lse, go, *args)),
-        "forward_inplace": (ops._forward_inplace.default, (x.clone(), t, *args, False)),
+        "forward_inplace": (ops._forward_inplace.default, (x.clone(), t, *args, False, True)),
         "backward_inplace": (ops._backward_inplace.default, (x.clone(), t, lse, go, *args)),
         "scale_inplace": (ops._scale_inplace.default, (grad.clone(), t, go, *args)),
     }
