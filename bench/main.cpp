@@ -37,6 +37,12 @@ struct Env {
   std::vector<std::string> rank_lines;
 };
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 struct Result {
   int64_t tokens = 0, width = 0;
   std::string mode;
@@ -418,22 +424,48 @@ class Bench {
         run_bwd();
       }
       const int iters = s_.iters;
-      dev_.marks(2 * iters + 1);
-      dev_.sync();
-      dev_.mark(0);
-      for (int i = 0; i < iters; ++i) {
-        run_fwd();
-        dev_.mark(2 * i + 1);
-        run_bwd();
-        dev_.mark(2 * i + 2);
+      if (s_.idle) {
+        // Each step alone, from an idle device after a barrier: what host latency and rank skew
+        // cost a training step that reaches its loss with the GPU waiting. Medians.
+        dev_.marks(3 * iters);
+        for (int i = 0; i < iters; ++i) {
+          dev_.sync();
+          MPI_Barrier(MPI_COMM_WORLD);
+          dev_.mark(3 * i);
+          run_fwd();
+          dev_.mark(3 * i + 1);
+          run_bwd();
+          dev_.mark(3 * i + 2);
+        }
+        dev_.sync();
+        group_.check_errors(stream);
+        std::vector<double> f(iters), b(iters), t(iters);
+        for (int i = 0; i < iters; ++i) {
+          f[i] = dev_.ms(3 * i, 3 * i + 1);
+          b[i] = dev_.ms(3 * i + 1, 3 * i + 2);
+          t[i] = dev_.ms(3 * i, 3 * i + 2);
+        }
+        r.fwd_ms = median(f);
+        r.bwd_ms = median(b);
+        r.total_ms = median(t);
+      } else {
+        dev_.marks(2 * iters + 1);
+        dev_.sync();
+        dev_.mark(0);
+        for (int i = 0; i < iters; ++i) {
+          run_fwd();
+          dev_.mark(2 * i + 1);
+          run_bwd();
+          dev_.mark(2 * i + 2);
+        }
+        dev_.sync();
+        group_.check_errors(stream);
+        for (int i = 0; i < iters; ++i) {
+          r.fwd_ms += dev_.ms(2 * i, 2 * i + 1) / iters;
+          r.bwd_ms += dev_.ms(2 * i + 1, 2 * i + 2) / iters;
+        }
+        r.total_ms = dev_.ms(0, 2 * iters) / iters;
       }
-      dev_.sync();
-      group_.check_errors(stream);
-      for (int i = 0; i < iters; ++i) {
-        r.fwd_ms += dev_.ms(2 * i, 2 * i + 1) / iters;
-        r.bwd_ms += dev_.ms(2 * i + 1, 2 * i + 2) / iters;
-      }
-      r.total_ms = dev_.ms(0, 2 * iters) / iters;
       if (gf) cudaGraphExecDestroy(gf);
       if (gb) cudaGraphExecDestroy(gb);
 
@@ -501,7 +533,9 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
       s.grad_output, s.logit_range, s.logit_range / 2, s.seed);
   std::printf("# timing: %d iteration(s) after %d warm-up, %s%s; check: %s\n", s.iters, s.warmup,
               s.device == "cuda" ? "CUDA events on one stream" : "MPI_Wtime",
-              s.graph ? ", replayed from CUDA graphs" : "",
+              s.graph  ? ", replayed from CUDA graphs"
+              : s.idle ? ", each step from an idle device after a barrier (median)"
+                       : "",
               s.check ? "on (fp64 reference)" : "off (#wrong N/A; -c to verify)");
   std::printf("# MPI: %s\n", env.mpi.c_str());
   std::printf("# CUDA runtime %s, driver %s; NCCL %s\n", env.cuda_runtime.c_str(),
@@ -555,6 +589,7 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
                  {"iters", s.iters},
                  {"warmup", s.warmup},
                  {"graph", s.graph},
+                 {"idle", s.idle},
                  {"check", s.check},
                  {"modes", s.modes},
                  {"tokens", s.tokens}};

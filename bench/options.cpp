@@ -131,6 +131,7 @@ const std::map<std::string, std::string>& known_keys() {
                                                           {"warmup", "--warmup"},
                                                           {"check", "--check"},
                                                           {"graph", "--graph"},
+                                                          {"idle", "--idle"},
                                                           {"seed", "--seed"},
                                                           {"grad_output", "--grad-output"},
                                                           {"logit_range", "--logit-range"}};
@@ -249,11 +250,15 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       "logits k*R/256, integers k in [-256, 128): per row a window of width R at its own offset; R "
       "a power of two in [1, 1024] (8)");
   add("json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)");
-  bool check = false, graph = false;
+  bool check = false, graph = false, idle = false;
   opt["check"] = app.add_flag("-c,--check", check,
                               "verify loss, lse and gradient against an fp64 reference (#wrong)");
   opt["graph"] =
       app.add_flag("--graph", graph, "time forward and backward replayed from CUDA graphs");
+  opt["idle"] = app.add_flag(
+      "--idle", idle,
+      "time each step from an idle GPU after a barrier (median): launch latency and rank skew "
+      "count, as when a training step reaches its loss");
 
   try {
     app.parse(argc, argv);
@@ -274,6 +279,7 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       x.where = o.second->get_name();  // the long name, e.g. "--min-tokens" for -b
       x.value = o.first == "check"   ? (check ? "true" : "false")
                 : o.first == "graph" ? (graph ? "true" : "false")
+                : o.first == "idle"  ? (idle ? "true" : "false")
                                      : v[o.first];
       x.set = true;
       src[o.first] = x;
@@ -382,6 +388,7 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
     if (has("check")) s.check = to_bool(get("check"));
     if (has("graph")) s.graph = to_bool(get("graph"));
     if (s.graph && !gpu) refuse(get("graph"), "CUDA graphs need --device cuda");
+    if (has("idle")) s.idle = to_bool(get("idle"));
 
     if (has("json")) {
       s.json = get("json").value;

@@ -17,7 +17,10 @@ logits) is timed three ways, each the slowest rank's median:
           tensors).
 
 With --raw-json (the JSON of `xent_dist_bench --json` for the same shapes and ranks, measured on
-the same machine), each GPU time is also shown as a ratio to the raw API's forward + backward.
+the same machine; repeatable), each GPU time is also shown as a ratio to the raw API's forward +
+backward timed the same way: `idle` to a run with `--idle` (each step from an idle GPU after a
+barrier), `b2b` to a run without (back to back). With only a back-to-back file, idle is shown
+against it too (so the ratio then also counts the launch latency that the raw figure hides).
 --profile prints torch.profiler's table of the CPU time per call (the largest totals first).
 --json FILE writes every number (rank 0).
 """
@@ -147,20 +150,21 @@ def time_b2b(step, reps, iters=20):
     return statistics.median(out)
 
 
-def raw_times(path, world):
-    """(tokens, width) -> fastest forward + backward of the raw API in xent_dist_bench's JSON."""
-    if not path:
-        return {}
-    with open(path) as f:
-        doc = json.load(f)
-    if doc["env"]["ranks"] != world:
-        sys.exit(f"torch_op.py: --raw-json {path} was measured on {doc['env']['ranks']} ranks, "
-                 f"this run has {world}")
-    best = {}
-    for r in doc["results"]:
-        key = (r["tokens"], r["vocab_per_rank"])
-        best[key] = min(best.get(key, float("inf")), r["total_ms"])
-    return best
+def raw_times(paths, world):
+    """{"idle": {...}, "b2b": {...}}: (tokens, width) -> fastest forward + backward of the raw API
+    in xent_dist_bench's JSON files, by how each was timed (--idle or not)."""
+    out = {"idle": {}, "b2b": {}}
+    for path in paths or []:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc["env"]["ranks"] != world:
+            sys.exit(f"torch_op.py: --raw-json {path} was measured on {doc['env']['ranks']} "
+                     f"ranks, this run has {world}")
+        best = out["idle" if doc["config"].get("idle") else "b2b"]
+        for r in doc["results"]:
+            key = (r["tokens"], r["vocab_per_rank"])
+            best[key] = min(best.get(key, float("inf")), r["total_ms"])
+    return out
 
 
 def profile(case, kind, rank, trace):
@@ -197,7 +201,8 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--kinds", default="copy,inplace")
-    ap.add_argument("--raw-json", default="")
+    ap.add_argument("--raw-json", action="append",
+                    help="xent_dist_bench --json output, with --idle or not (repeatable)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", default="", help="with --profile: rank 0's Chrome trace, this prefix")
     ap.add_argument("--json", default="")
@@ -220,8 +225,8 @@ def main():
         print(f"# torch_op.py: {world} rank(s), {torch.cuda.get_device_name(device)}, "
               f"{args.dtype}, mean, torch {torch.__version__}, slowest rank, median of "
               f"{args.reps}", flush=True)
-        print(f"# {'tokens':>7s} {'vocab':>7s} {'width':>7s} {'call':>8s} {'raw ms':>8s} "
-              f"{'idle ms':>8s} {'ratio':>6s} {'b2b ms':>8s} {'ratio':>6s} "
+        print(f"# {'tokens':>7s} {'vocab':>7s} {'width':>7s} {'call':>8s} {'raw idle':>8s} "
+              f"{'idle ms':>8s} {'ratio':>6s} {'raw b2b':>8s} {'b2b ms':>8s} {'ratio':>6s} "
               f"{'fwd us':>7s} {'bwd us':>7s} {'F.ce fwd':>8s} {'F.ce bwd':>8s}", flush=True)
     results = []
     for tokens, vocab in shapes:
@@ -235,17 +240,21 @@ def main():
             hf, hb = case.host_op(kind, args.reps)
             tf, tb = case.host_torch(args.reps)
             hf, hb, tf, tb = (slowest(v, device) for v in (hf, hb, tf, tb))
-            r = raw.get((tokens, vocab // world + (1 if vocab % world else 0)))
-            res = dict(tokens=tokens, vocab=vocab, width=case.width, call=kind, raw_ms=r,
-                       idle_ms=idle, b2b_ms=b2b, host_fwd_us=hf, host_bwd_us=hb,
-                       torch_host_fwd_us=tf, torch_host_bwd_us=tb)
+            key = (tokens, vocab // world + (1 if vocab % world else 0))
+            rb = raw["b2b"].get(key)
+            ri = raw["idle"].get(key, rb)
+            res = dict(tokens=tokens, vocab=vocab, width=case.width, call=kind,
+                       raw_idle_ms=raw["idle"].get(key), raw_b2b_ms=rb, idle_ms=idle,
+                       b2b_ms=b2b, host_fwd_us=hf, host_bwd_us=hb, torch_host_fwd_us=tf,
+                       torch_host_bwd_us=tb)
             results.append(res)
             if rank == 0:
-                ri = f"{idle / r:6.3f}" if r else f"{'-':>6s}"
-                rb = f"{b2b / r:6.3f}" if r else f"{'-':>6s}"
-                rs = f"{r:8.3f}" if r else f"{'-':>8s}"
-                print(f"  {tokens:7d} {vocab:7d} {case.width:7d} {kind:>8s} {rs} {idle:8.3f} "
-                      f"{ri} {b2b:8.3f} {rb} {hf:7.1f} {hb:7.1f} {tf:8.1f} {tb:8.1f}", flush=True)
+                def cols(raw_ms, ms):
+                    if not raw_ms:
+                        return f"{'-':>8s} {ms:8.3f} {'-':>6s}"
+                    return f"{raw_ms:8.3f} {ms:8.3f} {ms / raw_ms:6.3f}"
+                print(f"  {tokens:7d} {vocab:7d} {case.width:7d} {kind:>8s} {cols(ri, idle)} "
+                      f"{cols(rb, b2b)} {hf:7.1f} {hb:7.1f} {tf:8.1f} {tb:8.1f}", flush=True)
         if args.profile:
             for kind in kinds:
                 profile(case, kind, rank, args.trace)

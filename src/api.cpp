@@ -266,8 +266,8 @@ void check_layout(const Group& group, const Shard& mine, int64_t rows) {
 
 namespace {
 
-void check_placement(const Group& group, const void* ptr, const char* name) {
-  if (ptr == nullptr || group.backend() == Backend::cpu) return;
+void check_placement(const Group& group, const Options& opt, const void* ptr, const char* name) {
+  if (ptr == nullptr || group.backend() == Backend::cpu || !opt.check_pointers) return;
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
     cudaGetLastError();
@@ -352,7 +352,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
                            {out.loss, "outputs.loss"},
                            {out.lse, "outputs.lse"},
                            {out.grad.data, "outputs.grad.data"}}) {
-    if (p.rows > 0) check_placement(group, ptr, name);
+    if (p.rows > 0) check_placement(group, opt, ptr, name);
   }
   if (p.rows == 0) {  // nothing to gather (every rank has no rows); the reductions are 0
     if (p.reduction != Reduction::none)
@@ -401,7 +401,7 @@ void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsVie
     cpu::count_valid(p, targets, ws.scalars);
     cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output);
   } else {
-    if (p.rows > 0 && grad.data != logits.data) check_placement(group, grad.data, "grad.data");
+    if (p.rows > 0 && grad.data != logits.data) check_placement(group, opt, grad.data, "grad.data");
     cuda::count_valid(p, targets, ws.scalars, stream);
     cuda::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, stream);
   }

@@ -72,6 +72,10 @@ struct Options {
   int64_t vocab_start = 0;
   int64_t vocab_size = -1;        // -1: vocab_start + cols (a single rank with no padding)
   bool compute_accuracy = false;  // fills Outputs::argmax / Outputs::accuracy
+  // CUDA backend: ask the driver where each pointer lives and refuse host memory with a clear
+  // error (a few driver calls per call). An adapter whose buffers are known to be on the group's
+  // device (the LibTorch adapter's tensors) turns it off.
+  bool check_pointers = true;
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.

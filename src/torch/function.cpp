@@ -166,11 +166,11 @@ at::Tensor as_rows(const at::Tensor& logits) {
 void save_args(AutogradContext* ctx, const OpArgs& a, bool fused, bool inplace) {
   c10::impl::GenericList list(c10::AnyType::get());
   list.reserve(10);
-  for (c10::IValue v : {c10::IValue(a.group_name), c10::IValue(a.ignore_index),
-                        c10::IValue(a.label_smoothing), c10::IValue(a.z_loss),
-                        c10::IValue(a.softcap), c10::IValue(a.reduction),
-                        c10::IValue(a.vocab_start), c10::IValue(a.vocab_size), c10::IValue(fused),
-                        c10::IValue(inplace)})
+  for (c10::IValue v :
+       {c10::IValue(a.group_name), c10::IValue(a.ignore_index), c10::IValue(a.label_smoothing),
+        c10::IValue(a.z_loss), c10::IValue(a.softcap), c10::IValue(a.reduction),
+        c10::IValue(a.vocab_start), c10::IValue(a.vocab_size), c10::IValue(fused),
+        c10::IValue(inplace)})
     list.push_back(std::move(v));
   ctx->saved_data["args"] = std::move(list);
 }
@@ -243,8 +243,8 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
                 "false");
     // No gradient reached the loss (it was not used): the logits' gradient is zero.
     if (!grads[0].defined())
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-              at::Tensor()};
+      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor(), at::Tensor(), at::Tensor()};
     const variable_list saved = ctx->get_saved_variables();  // checks the versions
     const at::Tensor& target = saved[1];
     const std::optional<at::Tensor> go =
@@ -263,7 +263,7 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
         grad = call_backward(args, grad, target, saved[2], go);
     }
     if (fused || inplace) {
-      ctx->saved_data["consumed"] = true;  // its presence says so
+      ctx->saved_data["consumed"] = true;           // its presence says so
       ::torch::autograd::impl::bump_version(grad);  // shares saved[0]'s version counter
     }
     if (::torch::autograd::GradMode::is_enabled()) {

@@ -6,6 +6,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -53,6 +54,21 @@ CrossEntropyOptions options_of(c10::string_view group_name, int64_t ignore_index
       .options();
 }
 
+// The group and core options of one call on `cols`-column tensors on `device`. Every other
+// tensor of the call must be there too (checked here, without a driver call; torch allocates the
+// outputs there), so the core need not ask the driver where each pointer lives.
+Setup setup_for_tensors(c10::string_view group_name, c10::Device device, int64_t cols,
+                        std::initializer_list<const at::Tensor*> others,
+                        const CrossEntropyOptions& o) {
+  for (const at::Tensor* t : others)
+    TORCH_CHECK(!t->defined() || t->numel() == 0 || t->device() == device, "xent: a tensor is on ",
+                t->device(), " but the logits are on ", device,
+                ": every tensor of a call must be on the logits' device");
+  Setup s = setup(resolve_group(std::string(group_name)), device, cols, o);
+  s.opt.check_pointers = false;
+  return s;
+}
+
 // grad_output as the core takes it: float32, contiguous, on the logits' device; null means 1.
 const float* grad_output_ptr(const std::optional<at::Tensor>& go) {
   if (!go || !go->defined() || go->numel() == 0) return nullptr;
@@ -75,7 +91,7 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
                                      reduction, vocab_start, vocab_size);
   o.grad_mode = Inplace || with_grad ? GradMode::fused : GradMode::none;
   o.compute_accuracy = compute_accuracy;
-  const Setup s = setup(resolve_group(std::string(group_name)), device, logits.size(1), o);
+  const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target}, o);
 
   const int64_t n = logits.size(0);
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
@@ -137,7 +153,8 @@ at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
                                      reduction, vocab_start, vocab_size);
   o.grad_mode = GradMode::deferred;
-  const Setup s = setup(resolve_group(std::string(group_name)), device, logits.size(1), o);
+  const at::Tensor go = grad_output.value_or(at::Tensor());
+  const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target, &lse, &go}, o);
   const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
   at::Tensor grad = Inplace ? logits : at::empty_like(logits, at::MemoryFormat::Contiguous);
   core_call([&] {
@@ -176,7 +193,8 @@ void scale_inplace_op(const at::Tensor& grad, const at::Tensor& target,
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
                                      reduction, vocab_start, vocab_size);
   o.grad_mode = GradMode::fused;
-  const Setup s = setup(resolve_group(std::string(group_name)), device, grad.size(1), o);
+  const at::Tensor go = grad_output.value_or(at::Tensor());
+  const Setup s = setup_for_tensors(group_name, device, grad.size(1), {&target, &go}, o);
   core_call([&] {
     xent::backward(s.group, view_of(grad), view_of_targets(target), nullptr,
                    grad_output_ptr(grad_output), s.opt, stream_of(device));

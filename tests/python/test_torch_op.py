@@ -218,6 +218,27 @@ def test_cuda_target_out_of_range_is_nan_and_reported_by_check_errors():
     xent.check_errors(None, x.device)  # reported once: the next check passes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_internal_operators_refuse_tensors_off_the_logits_device():
+    """The internal operators skip the driver's pointer queries: they must check devices."""
+    ops = torch.ops.xent
+    args = OP_ARGS + ("mean", -1, -1)
+    x = random_logits((N, V), device="cuda")
+    t = random_target((N,), "cuda")
+    _, lse, _, _, _, grad = ops._forward.default(x, t, *args, False, True, True)
+    one = torch.ones((), device="cuda")
+    calls = {
+        "target": lambda: ops._forward.default(x, t.cpu(), *args, False, True, False),
+        "lse": lambda: ops._backward.default(x, t, lse.cpu(), one, *args),
+        "grad_output": lambda: ops._scale_inplace.default(grad, t, one.cpu(), *args),
+    }
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError) as info:
+            call()
+        message = one_line(info.value)
+        assert "is on cpu but the logits are on cuda:0" in message, (what, message)
+
+
 # ----------------------------------------------------------------------- loss and gradient
 
 
