@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -36,6 +37,22 @@ struct Env {
   double copy_bw = 0.0;  // bytes/s, slowest rank
   std::vector<std::string> rank_lines;
 };
+
+// Returns at the same instant on every rank of one host (within a microsecond or so): the ranks
+// agree on a start a little after the latest of their clocks and spin until it. A barrier alone
+// releases them tens of microseconds apart, and the first rank would then time its wait for the
+// last. Ranks on several hosts rely on their clocks agreeing; the wait is capped at 10 ms.
+void start_together() {
+  using clock = std::chrono::system_clock;
+  const double now_us =
+      std::chrono::duration<double, std::micro>(clock::now().time_since_epoch()).count();
+  double latest = now_us;
+  MPI_Allreduce(&now_us, &latest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  const double start = std::min(latest + 1000.0, now_us + 10000.0);
+  while (std::chrono::duration<double, std::micro>(clock::now().time_since_epoch()).count() <
+         start) {
+  }
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -425,12 +442,12 @@ class Bench {
       }
       const int iters = s_.iters;
       if (s_.idle) {
-        // Each step alone, from an idle device after a barrier: what host latency and rank skew
-        // cost a training step that reaches its loss with the GPU waiting. Medians.
+        // Each step alone, from an idle device, the ranks starting together: what the host's
+        // latency costs a training step that reaches its loss with the GPU waiting. Medians.
         dev_.marks(3 * iters);
         for (int i = 0; i < iters; ++i) {
           dev_.sync();
-          MPI_Barrier(MPI_COMM_WORLD);
+          start_together();
           dev_.mark(3 * i);
           run_fwd();
           dev_.mark(3 * i + 1);
@@ -534,7 +551,7 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
   std::printf("# timing: %d iteration(s) after %d warm-up, %s%s; check: %s\n", s.iters, s.warmup,
               s.device == "cuda" ? "CUDA events on one stream" : "MPI_Wtime",
               s.graph  ? ", replayed from CUDA graphs"
-              : s.idle ? ", each step from an idle device after a barrier (median)"
+              : s.idle ? ", each step from an idle device, ranks starting together (median)"
                        : "",
               s.check ? "on (fp64 reference)" : "off (#wrong N/A; -c to verify)");
   std::printf("# MPI: %s\n", env.mpi.c_str());

@@ -257,8 +257,8 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       app.add_flag("--graph", graph, "time forward and backward replayed from CUDA graphs");
   opt["idle"] = app.add_flag(
       "--idle", idle,
-      "time each step from an idle GPU after a barrier (median): launch latency and rank skew "
-      "count, as when a training step reaches its loss");
+      "time each step alone from an idle device, the ranks starting together (median): launch "
+      "latency counts, as when a training step reaches its loss with the GPU waiting");
 
   try {
     app.parse(argc, argv);

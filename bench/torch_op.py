@@ -8,8 +8,9 @@ vocab). For each shape and each way of calling the op (`copy`: inplace_grad=Fals
 `inplace`: inplace_grad=True, fused), forward + backward (torch.autograd.grad of the loss for the
 logits) is timed three ways, each the slowest rank's median:
 
-  idle    after a barrier and a synchronize, with CUDA events around one step: how a training
-          step reaches its loss, host latency included wherever it leaves the GPU waiting.
+  idle    one step alone from an idle GPU, CUDA events around it, the ranks starting together
+          (as xent_dist_bench --idle): how a training step reaches its loss, host latency
+          included wherever it leaves the GPU waiting.
   b2b     20 steps back to back between two events, divided by 20.
   host    time.perf_counter around the forward call and around the backward call, steps in a
           row while the GPU is kept busy with queued work (no launch waits for the GPU): the host
@@ -18,9 +19,9 @@ logits) is timed three ways, each the slowest rank's median:
 
 With --raw-json (the JSON of `xent_dist_bench --json` for the same shapes and ranks, measured on
 the same machine; repeatable), each GPU time is also shown as a ratio to the raw API's forward +
-backward timed the same way: `idle` to a run with `--idle` (each step from an idle GPU after a
-barrier), `b2b` to a run without (back to back). With only a back-to-back file, idle is shown
-against it too (so the ratio then also counts the launch latency that the raw figure hides).
+backward timed the same way: `idle` to a run with `--idle`, `b2b` to a run without (back to
+back). With only a back-to-back file, idle is shown against it too (the ratio then also counts
+the launch latency that the raw figure hides).
 --profile prints torch.profiler's table of the CPU time per call (the largest totals first).
 --json FILE writes every number (rank 0).
 """
@@ -121,12 +122,23 @@ class Case:
         return self.host_times(lambda: F.cross_entropy(self._x, self.local_target), reps)
 
 
-def time_idle(step, reps):
+def start_together(device):
+    """Returns at the same instant on every rank of one host, as xent_dist_bench --idle does:
+    the ranks agree on a start a little after the latest of their clocks and spin until it (a
+    barrier alone releases them tens of microseconds apart). The wait is capped at 10 ms."""
+    now = time.time() * 1e6
+    latest = slowest(now, device)
+    start = min(latest + 1000.0, now + 10000.0)
+    while time.time() * 1e6 < start:
+        pass
+
+
+def time_idle(step, reps, device):
     out = []
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
-        dist.barrier()
         torch.cuda.synchronize()
+        start_together(device)
         start.record()
         step()
         stop.record()
@@ -235,7 +247,7 @@ def main():
             step = case.op_step(kind)
             for _ in range(5):
                 step()
-            idle = slowest(time_idle(step, args.reps), device)
+            idle = slowest(time_idle(step, args.reps, device), device)
             b2b = slowest(time_b2b(step, args.reps), device)
             hf, hb = case.host_op(kind, args.reps)
             tf, tb = case.host_torch(args.reps)
