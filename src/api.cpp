@@ -302,27 +302,50 @@ int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) 
 
 }  // namespace
 
-void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
-             const Outputs& out, cudaStream_t stream) {
-  const core::Problem p = core::make_problem(logits, targets, opt);
+namespace {
+
+// What forward checks of its outputs (host only).
+void check_forward_outputs(const core::Problem& p, const Options& opt, LogitsView logits,
+                           const Outputs& out) {
   core::check_outputs(p, opt, out);
-  const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
   if (out.grad.data != nullptr) {
     if (opt.grad_mode != GradMode::fused)
       core::fail(std::string("outputs.grad is set with grad_mode = ") + to_string(opt.grad_mode) +
                  ": forward writes a gradient only with grad_mode = fused");
     core::check_grad(p, logits, out.grad);
   }
+}
+
+}  // namespace
+
+void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
+             const Outputs& out, cudaStream_t stream) {
+  // Checked before any work (and again, cheaply, where the outputs are taken).
+  check_forward_outputs(core::make_problem(logits, targets, opt), opt, logits, out);
+  forward(
+      group, logits, targets, opt, [&out] { return out; }, stream);
+}
+
+void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
+             const std::function<Outputs()>& make_outputs, cudaStream_t stream) {
+  const core::Problem p = core::make_problem(logits, targets, opt);
   Workspace& ws = group.workspace();
   const int ranks = group.size();
   const size_t bytes = p.layout.bytes_per_row() * static_cast<size_t>(p.rows);
   ws.prepare(p.rows, p.layout.fields, ranks);
-  float* lse = out.lse ? out.lse : ws.lse;
+  const auto take_outputs = [&] {
+    const Outputs out = make_outputs();
+    check_forward_outputs(p, opt, logits, out);
+    return out;
+  };
 
   // Every rank learns of every other rank's mistakes before any work, so all throw together.
   // One rank (nothing to exchange) obeys the same tiling rule: its shard is the whole vocabulary.
   core::LayoutHeader h = core::make_header(p, opt, logits.dtype);
   if (group.backend() == Backend::cpu) {
+    const Outputs out = take_outputs();
+    const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
+    float* lse = out.lse ? out.lse : ws.lse;
     h.targets_hash = core::hash_targets(p, targets);
     h.bad_row = first_bad_target(p, targets, &h.bad_target);
     exchange_and_check(group, h, /*tiling=*/true);
@@ -347,22 +370,25 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   } else if (ranks == 1) {
     core::check_headers(&h, 1, /*check_tiling=*/true);  // host only: no synchronisation
   }
-  for (auto [ptr, name] : {std::pair<const void*, const char*>{logits.data, "logits.data"},
-                           {targets.data, "targets.data"},
-                           {out.loss, "outputs.loss"},
-                           {out.lse, "outputs.lse"},
-                           {out.grad.data, "outputs.grad.data"}}) {
-    if (p.rows > 0) check_placement(group, opt, ptr, name);
-  }
   if (p.rows == 0) {  // nothing to gather (every rank has no rows); the reductions are 0
+    const Outputs out = take_outputs();
     if (p.reduction != Reduction::none)
       comm::check_cuda(cudaMemsetAsync(out.loss, 0, sizeof(float), stream), "cudaMemsetAsync");
     if (out.accuracy)
       comm::check_cuda(cudaMemsetAsync(out.accuracy, 0, sizeof(float), stream), "cudaMemsetAsync");
     return;
   }
+  check_placement(group, opt, logits.data, "logits.data");
+  check_placement(group, opt, targets.data, "targets.data");
   cuda::stats(p, logits, targets, ws.send, ws.error, stream);
   if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
+
+  const Outputs out = take_outputs();
+  check_placement(group, opt, out.loss, "outputs.loss");
+  check_placement(group, opt, out.lse, "outputs.lse");
+  check_placement(group, opt, out.grad.data, "outputs.grad.data");
+  const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
+  float* lse = out.lse ? out.lse : ws.lse;
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
   if (opt.grad_mode == GradMode::fused)
     cuda::gradient(p, logits, grad, targets, lse, ws.scalars, nullptr, stream);

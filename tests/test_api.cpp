@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "reference.h"
 
@@ -46,6 +47,35 @@ TEST(Api, PlanShardOneRank) {
   EXPECT_EQ(opt.vocab_start, 0);
   EXPECT_EQ(opt.vocab_size, 11);
   EXPECT_NO_THROW(xent::check_layout(g, s, 5));
+}
+
+// forward(make_outputs) computes what forward(outputs) does, and calls the callback once.
+TEST(Api, MakeOutputsMatchesOutputs) {
+  const int64_t n = 6, v = 20;
+  const xtest::Matrix x = xtest::random_logits(n, v, 3, xent::DType::f32);
+  const std::vector<int64_t> t = {0, 19, 7, -100, 3, 11};
+  xtest::HostTargets tg{t, xent::IndexType::i64};
+  xent::Group g = xent::Group::local(xent::Backend::cpu);
+  xent::Options opt;
+  std::vector<float> loss_a(1), lse_a(n), loss_b(1), lse_b(n);
+  xtest::HostLogits a = xtest::make_shard(x, 0, v, xent::DType::f32);
+  xtest::HostLogits b = xtest::make_shard(x, 0, v, xent::DType::f32);
+  xent::Outputs out;
+  out.loss = loss_a.data();
+  out.lse = lse_a.data();
+  xent::forward(g, a.view(), tg.view(), opt, out);
+  int calls = 0;
+  xent::forward(g, b.view(), tg.view(), opt, [&] {
+    ++calls;
+    xent::Outputs o;
+    o.loss = loss_b.data();
+    o.lse = lse_b.data();
+    return o;
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(loss_a[0], loss_b[0]);
+  EXPECT_EQ(lse_a, lse_b);
+  EXPECT_EQ(a.bytes, b.bytes);  // the fused gradient, over the logits
 }
 
 // The exchanged record grows only with the options that need more statistics.

@@ -155,6 +155,23 @@ TEST(Errors, NullLossOutput) {
   EXPECT_THAT(msg, HasSubstr("null"));
 }
 
+// forward(make_outputs): the outputs made by the callback are checked as given ones are.
+TEST(Errors, NullLossFromMakeOutputs) {
+  Fixture f;
+  int calls = 0;
+  const auto make = [&] {
+    ++calls;
+    xent::Outputs o = f.out;
+    o.loss = nullptr;
+    return o;
+  };
+  const std::string msg =
+      error_of([&] { xent::forward(f.g, f.buf.view(), f.tg.view(), f.opt, make); });
+  EXPECT_THAT(msg, HasSubstr("loss"));
+  EXPECT_THAT(msg, HasSubstr("null"));
+  EXPECT_EQ(calls, 1);
+}
+
 TEST(Errors, DeferredWithoutLse) {
   Fixture f;
   f.opt.grad_mode = GradMode::deferred;

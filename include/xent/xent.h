@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -165,6 +166,12 @@ void apply(const Shard& shard, Options& opt);
 // The CPU backend checks the layout across ranks on every call (one small MPI_Allgather).
 void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
              const Outputs& out, cudaStream_t stream = nullptr);
+// The same, for an adapter that allocates the outputs per call (the LibTorch one): make_outputs
+// is called once, after the statistics and their exchange are queued on CUDA (first thing on
+// CPU), so that its host work overlaps the GPU's first pass. Its outputs are checked as above;
+// a mistake then throws on this rank alone, after its part of the exchange (no rank waits).
+void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
+             const std::function<Outputs()>& make_outputs, cudaStream_t stream = nullptr);
 
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
 // fused: `logits` holds forward's gradient; rows are rescaled by grad_output where it is not 1
