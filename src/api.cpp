@@ -71,7 +71,7 @@ Workspace::~Workspace() {
     cudaFree(base);
 }
 
-void Workspace::prepare(int64_t rows, int fields, int ranks) {
+void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream) {
   const size_t need = bytes_needed(rows, fields, ranks);
   if (need > capacity) {
     // Growth happens outside the hot path (Group::reserve sizes it up front).
@@ -82,16 +82,27 @@ void Workspace::prepare(int64_t rows, int fields, int ranks) {
         core::fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
       std::memset(base, 0xff, 2 * sizeof(int64_t));  // error slot: -1, no bad target seen
     } else {
-      if (base != nullptr) {  // kernels in flight may still use it
-        comm::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (workspace growth)");
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      comm::check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+      if (capture != cudaStreamCaptureStatusNone)
+        core::fail("the group's workspace must grow from " + std::to_string(capacity) + " to " +
+                   std::to_string(need) + " bytes (" + std::to_string(rows) +
+                   " rows) while the stream is being captured into a CUDA graph, where memory "
+                   "cannot be allocated: call Group::reserve(rows, options) with the largest rows "
+                   "before capturing");
+      if (base != nullptr) {  // kernels queued on the stream may still use it
+        comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (workspace growth)");
         comm::check_cuda(cudaFree(base), "cudaFree (workspace)");
         base = nullptr;
+        capacity = 0;
       }
       comm::check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
-      comm::check_cuda(cudaMemset(base, 0xff, 2 * sizeof(int64_t)), "cudaMemset (error slot)");
-      comm::check_cuda(
-          cudaMemset(static_cast<char*>(base) + kCounterOffset, 0, sizeof(unsigned long long)),
-          "cudaMemset (finalize block counter)");
+      // On the stream: ordered before the kernels that read them, whatever the stream's kind.
+      comm::check_cuda(cudaMemsetAsync(base, 0xff, 2 * sizeof(int64_t), stream),
+                       "cudaMemsetAsync (error slot)");
+      comm::check_cuda(cudaMemsetAsync(static_cast<char*>(base) + kCounterOffset, 0,
+                                       sizeof(unsigned long long), stream),
+                       "cudaMemsetAsync (finalize block counter)");
     }
     capacity = need;
   }
@@ -114,6 +125,32 @@ void Workspace::prepare(int64_t rows, int fields, int ranks) {
 
 // -------------------------------------------------------------------------------------- Group
 
+namespace {
+
+// Makes the group's device current for one call and restores the caller's after it, as NCCL's
+// enqueue does: a call on another device's group neither launches nor allocates on the wrong one.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const Group& group) {
+    if (group.backend() != Backend::cuda || group.device() < 0) return;
+    comm::check_cuda(cudaGetDevice(&saved_), "cudaGetDevice");
+    if (saved_ == group.device()) return;
+    comm::check_cuda(cudaSetDevice(group.device()), "cudaSetDevice (the group's device)");
+    switched_ = true;
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(saved_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int saved_ = -1;
+  bool switched_ = false;
+};
+
+}  // namespace
+
 struct Group::Impl {
   std::shared_ptr<Communicator> comm;
   Workspace ws;
@@ -133,9 +170,12 @@ Group make_group(std::shared_ptr<Communicator> comm) {
 
 Group Group::local(Backend backend, int device) {
   if (backend == Backend::cuda) {
-    if (cuda::device_count() == 0) core::fail("Group::local(cuda): no CUDA device is visible");
+    const int count = cuda::device_count();
+    if (count == 0) core::fail("Group::local(cuda): no CUDA device is visible");
     if (device < 0) comm::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-    comm::check_cuda(cudaSetDevice(device), "cudaSetDevice (Group::local)");
+    if (device >= count)
+      core::fail("Group::local(cuda, device = " + std::to_string(device) + "): only " +
+                 std::to_string(count) + " CUDA device(s) are visible");
   }
   return make_group(comm::make_local(backend, device));
 }
@@ -174,7 +214,17 @@ Workspace& Group::workspace() const {
 
 void Group::reserve(int64_t rows, const Options& opt) const {
   if (rows < 0) core::fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
-  impl_->ws.prepare(rows, static_cast<int>(record_bytes(opt) / sizeof(float)), size());
+  const DeviceScope on_device(*this);
+  const int fields = static_cast<int>(record_bytes(opt) / sizeof(float));
+  if (backend() == Backend::cuda &&
+      Workspace::bytes_needed(rows, fields, size()) > impl_->ws.capacity) {
+    // Setup time, no stream given: the old buffer may be in use on any stream.
+    comm::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (Group::reserve)");
+    impl_->ws.prepare(rows, fields, size(), nullptr);
+    comm::check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (Group::reserve)");
+    return;
+  }
+  impl_->ws.prepare(rows, fields, size(), nullptr);
 }
 
 size_t Group::workspace_bytes() const {
@@ -184,12 +234,15 @@ size_t Group::workspace_bytes() const {
 void Group::check_errors(cudaStream_t stream) const {
   Workspace& ws = impl_->ws;
   if (backend() == Backend::cpu || ws.error == nullptr) return;
-  comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_errors)");
+  const DeviceScope on_device(*this);
   int64_t bad[2];
-  comm::check_cuda(cudaMemcpy(bad, ws.error, sizeof bad, cudaMemcpyDeviceToHost),
-                   "cudaMemcpy (check_errors)");
+  comm::check_cuda(cudaMemcpyAsync(bad, ws.error, sizeof bad, cudaMemcpyDeviceToHost, stream),
+                   "cudaMemcpyAsync (check_errors)");
+  comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_errors)");
   if (bad[0] < 0) return;
-  comm::check_cuda(cudaMemset(ws.error, 0xff, sizeof bad), "cudaMemset (check_errors)");
+  // On the stream, so that the next call's kernels see the slot reset.
+  comm::check_cuda(cudaMemsetAsync(ws.error, 0xff, sizeof bad, stream),
+                   "cudaMemsetAsync (check_errors)");
   core::fail("targets[" + std::to_string(bad[0]) + "] = " + std::to_string(bad[1]) +
              ": must be in [0, vocab_size) or equal ignore_index (that row's loss is NaN)");
 }
@@ -206,6 +259,7 @@ void gather_on_host(const Group& group, const void* mine, void* all, size_t byte
     c.all_gather(mine, all, bytes, nullptr);
     return;
   }
+  const DeviceScope on_device(group);
   void* dev = nullptr;
   const size_t total = bytes * c.size();
   comm::check_cuda(cudaMalloc(&dev, bytes + total), "cudaMalloc (layout check)");
@@ -329,10 +383,11 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
 void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
              const std::function<Outputs()>& make_outputs, cudaStream_t stream) {
   const core::Problem p = core::make_problem(logits, targets, opt);
+  const DeviceScope on_device(group);
   Workspace& ws = group.workspace();
   const int ranks = group.size();
   const size_t bytes = p.layout.bytes_per_row() * static_cast<size_t>(p.rows);
-  ws.prepare(p.rows, p.layout.fields, ranks);
+  ws.prepare(p.rows, p.layout.fields, ranks, stream);
   const auto take_outputs = [&] {
     const Outputs out = make_outputs();
     check_forward_outputs(p, opt, logits, out);
@@ -402,6 +457,7 @@ void backward(const Group& group, LogitsView logits, TargetsView targets, const 
   }
   const core::Problem p = core::make_problem(logits, targets, opt);
   if (grad_output == nullptr || p.rows == 0) return;  // the gradient is already final
+  const DeviceScope on_device(group);
   if (group.backend() == Backend::cpu)
     cpu::scale_rows(p, logits, grad_output);
   else
@@ -421,8 +477,9 @@ void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsVie
   core::check_grad(p, logits, grad);
   if (lse == nullptr && p.rows > 0)
     core::fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
+  const DeviceScope on_device(group);
   Workspace& ws = group.workspace();
-  ws.prepare(p.rows, p.layout.fields, group.size());
+  ws.prepare(p.rows, p.layout.fields, group.size(), stream);
   if (group.backend() == Backend::cpu) {
     cpu::count_valid(p, targets, ws.scalars);
     cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output);

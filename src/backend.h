@@ -39,8 +39,10 @@ struct Workspace {
   ~Workspace();
 
   static size_t bytes_needed(int64_t rows, int fields, int ranks);
-  // Grows if needed (allocation happens only here) and carves the pointers.
-  void prepare(int64_t rows, int fields, int ranks);
+  // Grows if needed (allocation happens only here) and carves the pointers. CUDA: growth waits
+  // for `stream` (calls on one group are ordered on one stream), sets up the new buffer on it,
+  // and is refused while `stream` is being captured into a CUDA graph (Group::reserve first).
+  void prepare(int64_t rows, int fields, int ranks, cudaStream_t stream);
 };
 
 namespace cpu {

@@ -110,7 +110,9 @@ struct Workspace;  // scratch owned by a Group: stats records and small reductio
 // Group must be ordered (one stream at a time), as with an NCCL communicator.
 class Group {
  public:
-  // One rank, no communication at all; no MPI needed.
+  // One rank, no communication at all; no MPI needed. CUDA: device -1 is the current one.
+  // Every call on a CUDA group makes the group's device current for its duration and restores
+  // the caller's after it, as NCCL does.
   static Group local(Backend backend = Backend::cpu, int device = -1);
   // CPU backend over MPI: records gathered with MPI_Allgather.
   static Group host(MPI_Comm comm);
@@ -128,7 +130,8 @@ class Group {
   Communicator& comm() const;
   Workspace& workspace() const;
   // Allocates the scratch for up to `rows` rows now, so that later calls (and CUDA graph
-  // capture) allocate nothing.
+  // capture) allocate nothing. Synchronises the device when it grows. A call that would grow
+  // it otherwise waits for its own stream only, and is refused inside CUDA graph capture.
   void reserve(int64_t rows, const Options& opt) const;
   // Bytes of scratch the group holds now (host or device, as its backend): the only memory
   // xent allocates beyond the caller's inputs and outputs.

@@ -60,12 +60,6 @@ void check(cudaError_t e, const char* what) {
     throw Error(std::string("xent: CUDA call ") + what + " failed: " + cudaGetErrorString(e));
 }
 
-void check_launch(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess)
-    throw Error(std::string("xent: launch of ") + kernel + " failed: " + cudaGetErrorString(e));
-}
-
 std::atomic<bool>& pdl_flag() {
   static std::atomic<bool> on{[] {
     const char* e = std::getenv("XENT_CUDA_PDL");
@@ -85,16 +79,16 @@ DeviceInfo device_info() {
   static std::array<std::atomic<int>, 128> cache{};  // sms * 2 + pdl, 0 = not read yet
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev < 0 || dev >= static_cast<int>(cache.size())) dev = 0;
-  int v = cache[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
+  const bool cached = dev >= 0 && dev < static_cast<int>(cache.size());
+  int v = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {  // devices past the cache are read on every call, never another's
     int sms = 0, major = 0;
     check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
           "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
     check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
           "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
     v = sms * 2 + (major >= 9 ? 1 : 0);
-    cache[dev].store(v, std::memory_order_relaxed);
+    if (cached) cache[dev].store(v, std::memory_order_relaxed);
   }
   return DeviceInfo{v / 2, (v & 1) != 0};
 }
@@ -114,10 +108,13 @@ void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = (pdl_flag().load(std::memory_order_relaxed) && device_info().pdl) ? 1 : 0;
+  // The launch's own status only: cudaGetLastError here would also report (and clear) an
+  // earlier, unrelated asynchronous error of the caller's as if this launch had failed.
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // this launch's error is reported here, not by the caller's next check
     throw Error(std::string("xent: launch of ") + name + " failed: " + cudaGetErrorString(e));
-  check_launch(name);
+  }
 }
 
 // Rows and columns as the kernels index them: columns in int (checked), rows in int64.
@@ -666,7 +663,7 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
               cudaStream_t stream) {
-  // Launched for rows = 0 too: the reduced loss, accuracy and scalars are still written.
+  // Callers skip it for rows = 0 (forward writes the zero reductions itself).
   FinalizeArgs a{p.rows,   targets.data, targets.type, p.ignore_index, p.vocab_size, gathered,
                  ranks,    p.layout,     p.smoothing,  p.inv_vocab,    p.z_loss,     p.reduction,
                  out.loss, out.z_loss,   out.argmax,   out.accuracy,   lse,          scalars};

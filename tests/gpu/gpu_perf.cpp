@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
       xent::Options opt;
       const xent::core::Problem p = xent::core::make_problem(lv, tv, opt);
       xent::Workspace& ws = g.workspace();
-      ws.prepare(N, p.layout.fields, 1);
+      ws.prepare(N, p.layout.fields, 1, nullptr);
       KernelRow k{V, 0, 0, 0};
       auto stats = [&] { xent::cuda::stats(p, lv, tv, ws.send, ws.error, nullptr); };
       k.stats = timer.median(stats);
