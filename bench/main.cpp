@@ -22,7 +22,7 @@
 #include "device.h"
 #include "options.h"
 #include "reference.h"
-#include "xent/xent.h"
+#include "xent/mpi.h"
 
 #ifndef XENT_BENCH_VERSION
 #define XENT_BENCH_VERSION "unknown"
@@ -732,7 +732,7 @@ int run(const Settings& s) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   const bool gpu = s.device == "cuda";
   xent::Group group =
-      gpu ? xent::Group::from_mpi(MPI_COMM_WORLD) : xent::Group::host(MPI_COMM_WORLD);
+      gpu ? xent::mpi::nccl_group(MPI_COMM_WORLD) : xent::mpi::host_group(MPI_COMM_WORLD);
   std::unique_ptr<Device> dev = gpu ? make_cuda_device(group.device()) : make_host_device();
   int ranks = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);

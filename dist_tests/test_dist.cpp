@@ -3,8 +3,8 @@
 // checks that ITS loss, lse and accuracy equal the unsharded double-precision reference
 // (tests/reference.h) and that ITS gradient shard equals the reference's slice.
 //
-// XENT_TEST_BACKEND=cpu (default): Group::host(MPI_COMM_WORLD), host buffers.
-// XENT_TEST_BACKEND=cuda: Group::from_mpi(MPI_COMM_WORLD) (NCCL), device buffers; every test
+// XENT_TEST_BACKEND=cpu (default): xent::mpi::host_group(MPI_COMM_WORLD), host buffers.
+// XENT_TEST_BACKEND=cuda: xent::mpi::nccl_group(MPI_COMM_WORLD) (NCCL), device buffers; every test
 //   skips (GTEST_SKIP) where there are fewer visible GPUs than ranks on a node.
 //
 // Only rank 0 prints gtest's usual output; other ranks print their failures, prefixed with the
@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <xent/mpi.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -742,11 +743,11 @@ int main(int argc, char** argv) {
   }
   if (e.skip.empty()) {
     if (e.cuda) {
-      e.group = xent::Group::from_mpi(MPI_COMM_WORLD);
+      e.group = xent::mpi::nccl_group(MPI_COMM_WORLD);
       cuda_ok(cudaSetDevice(e.group->device()), "cudaSetDevice");
       cuda_ok(cudaStreamCreateWithFlags(&e.stream, cudaStreamNonBlocking), "cudaStreamCreate");
     } else {
-      e.group = xent::Group::host(MPI_COMM_WORLD);
+      e.group = xent::mpi::host_group(MPI_COMM_WORLD);
     }
   }
 

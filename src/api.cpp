@@ -179,14 +179,11 @@ Group Group::local(Backend backend, int device) {
   }
   return make_group(comm::make_local(backend, device));
 }
-Group Group::host(MPI_Comm comm) {
-  return make_group(comm::make_mpi(comm));
-}
-Group Group::from_mpi(MPI_Comm comm, int device) {
-  return make_group(comm::make_nccl_from_mpi(comm, device));
-}
 Group Group::adopt(ncclComm_t comm, int device) {
-  return make_group(comm::make_nccl_adopted(comm, device));
+  return make_group(comm::make_nccl(comm, device, /*owned=*/false));
+}
+Group Group::own(ncclComm_t comm, int device) {
+  return make_group(comm::make_nccl(comm, device, /*owned=*/true));
 }
 Group Group::custom(std::shared_ptr<Communicator> comm) {
   if (!comm) core::fail("Group::custom(comm = null): needs a communicator");

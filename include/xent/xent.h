@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cuda_runtime_api.h>
-#include <mpi.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -91,8 +90,8 @@ struct Outputs {
   LogitsView grad{};
 };
 
-// How stats records travel between ranks. Implementations: MPI (host memory), NCCL (device
-// memory, stream-ordered), or an adapter's own (e.g. a c10d ProcessGroup).
+// How stats records travel between ranks. Implementations: NCCL (device memory, stream-ordered),
+// MPI (host memory; xent/mpi.h), or an adapter's own (e.g. a c10d ProcessGroup).
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -114,13 +113,12 @@ class Group {
   // Every call on a CUDA group makes the group's device current for its duration and restores
   // the caller's after it, as NCCL does.
   static Group local(Backend backend = Backend::cpu, int device = -1);
-  // CPU backend over MPI: records gathered with MPI_Allgather.
-  static Group host(MPI_Comm comm);
-  // NCCL communicator bootstrapped over MPI (ncclUniqueId broadcast from rank 0). device -1:
-  // the local rank (MPI_COMM_TYPE_SHARED) modulo the visible GPU count. Owns the communicator.
-  static Group from_mpi(MPI_Comm comm, int device = -1);
+  // Groups over MPI (CPU backend over MPI_Allgather; NCCL bootstrapped over MPI) live in
+  // xent/mpi.h, target xent::mpi: this header and xent::xent need no MPI.
   // Drives a communicator the caller already owns (not destroyed by xent).
   static Group adopt(ncclComm_t comm, int device = -1);
+  // Takes a communicator made for xent: destroyed (ncclCommDestroy) with the group's last copy.
+  static Group own(ncclComm_t comm, int device = -1);
   static Group custom(std::shared_ptr<Communicator> comm);
 
   int rank() const;
@@ -166,7 +164,7 @@ void apply(const Shard& shard, Options& opt);
 
 // Forward: loss (and lse, z-loss, accuracy as asked); in fused mode also the gradient of
 // sum-or-mean loss (grad_output = 1) in place of the logits. Stream-ordered, no host sync on CUDA.
-// The CPU backend checks the layout across ranks on every call (one small MPI_Allgather).
+// The CPU backend checks the layout across ranks on every call (one small all-gather).
 void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
              const Outputs& out, cudaStream_t stream = nullptr);
 // The same, for an adapter that allocates the outputs per call (the LibTorch one): make_outputs

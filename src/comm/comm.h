@@ -1,6 +1,8 @@
 // Communicator implementations. They move bytes; they know nothing of the loss.
 #pragma once
 
+#include <nccl.h>
+
 #include <memory>
 
 #include "xent/xent.h"
@@ -8,11 +10,11 @@
 namespace xent::comm {
 
 std::shared_ptr<Communicator> make_local(Backend backend, int device);
-std::shared_ptr<Communicator> make_mpi(MPI_Comm comm);
-std::shared_ptr<Communicator> make_nccl_from_mpi(MPI_Comm comm, int device);
-std::shared_ptr<Communicator> make_nccl_adopted(ncclComm_t comm, int device);
+// owned: ncclCommDestroy when the communicator goes.
+std::shared_ptr<Communicator> make_nccl(ncclComm_t comm, int device, bool owned);
 
-// Throws xent::Error naming the CUDA call that failed.
+// Throw xent::Error naming the CUDA or NCCL call that failed.
 void check_cuda(cudaError_t status, const char* what);
+void check_nccl(ncclResult_t status, const char* what);
 
 }  // namespace xent::comm

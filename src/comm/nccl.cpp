@@ -5,12 +5,13 @@
 #include "comm/comm.h"
 
 namespace xent::comm {
-namespace {
 
 void check_nccl(ncclResult_t rc, const char* what) {
   if (rc != ncclSuccess)
     throw Error(std::string("xent: ") + what + " failed: " + ncclGetErrorString(rc));
 }
+
+namespace {
 
 // The CUDA backend's exchange: device buffers, one ncclAllGather on the caller's stream.
 class Nccl final : public Communicator {
@@ -40,43 +41,11 @@ class Nccl final : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_nccl_from_mpi(MPI_Comm comm, int device) {
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) throw Error("xent: Group::from_mpi needs MPI_Init to have been called first");
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  if (device < 0) {
-    MPI_Comm node;
-    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-    int local_rank = 0;
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_free(&node);
-    int count = 0;
-    check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (Group::from_mpi)");
-    device = local_rank % count;
-  }
-  check_cuda(cudaSetDevice(device), "cudaSetDevice (Group::from_mpi)");
-
-  // Rank 0 makes the id and broadcasts it with its status, so that a failure there reaches
-  // every rank instead of leaving them waiting in ncclCommInitRank.
-  struct {
-    int status;
-    ncclUniqueId id;
-  } boot{};
-  if (rank == 0) boot.status = ncclGetUniqueId(&boot.id);
-  MPI_Bcast(&boot, sizeof boot, MPI_BYTE, 0, comm);
-  check_nccl(static_cast<ncclResult_t>(boot.status), "ncclGetUniqueId (on rank 0)");
-  ncclComm_t nccl = nullptr;
-  check_nccl(ncclCommInitRank(&nccl, size, boot.id, rank), "ncclCommInitRank");
-  return std::make_shared<Nccl>(nccl, device, /*owned=*/true);
-}
-
-std::shared_ptr<Communicator> make_nccl_adopted(ncclComm_t comm, int device) {
+std::shared_ptr<Communicator> make_nccl(ncclComm_t comm, int device, bool owned) {
   if (comm == nullptr)
-    throw Error("xent: Group::adopt(comm = null): needs an initialised ncclComm_t");
-  return std::make_shared<Nccl>(comm, device, /*owned=*/false);
+    throw Error(std::string("xent: Group::") + (owned ? "own" : "adopt") +
+                "(comm = null): needs an initialised ncclComm_t");
+  return std::make_shared<Nccl>(comm, device, owned);
 }
 
 }  // namespace xent::comm

@@ -4,7 +4,7 @@
 # PyTorch must be driven by the NCCL that made it).
 # Variables:
 #   BUILD_DIR, SOURCE_DIR, WORK_DIR   the build tree, this folder, a scratch folder (wiped first)
-#   CONSUMER                          core (xent::xent) or torch (xent::torch)
+#   CONSUMER                          core (xent::xent), mpi (xent::mpi) or torch (xent::torch)
 #   NCCL_LIBRARY                      the NCCL_LIBRARY the build was configured with
 #   WITH_TORCH                        whether the build has the LibTorch adapter
 #   CXX_COMPILER                      the build's C++ compiler (optional)
