@@ -5,7 +5,8 @@
 #                           without it.
 #
 # With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
-# CUDA and NCCL wheels; a few GB), and pytest if it is missing (for tests/python), then prints
+# CUDA and NCCL wheels; a few GB), and pytest, megatron-core==0.16.1 and scikit-build-core if
+# they are missing (for tests/python and tests/package), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
 #   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
 #   -DNCCL_INCLUDE_DIR=<.../include>
@@ -35,10 +36,22 @@ xent_torch_cmake_args() {
       return 0
     fi
   fi
-  # The Python suite (ctest torch_python) runs under pytest.
+  # The Python suite (ctest torch_python) runs under pytest; python_package builds the wheel with
+  # scikit-build-core (pyproject.toml).
   if ! python3 -c 'import pytest' >/dev/null 2>&1; then
     xent_torch_say "pytest is not importable: installing it from PyPI (python3 -m pip install pytest)"
     python3 -m pip install pytest >&2 || xent_torch_say "pip could not install pytest: torch_python will fail"
+  fi
+  # tests/python/test_megatron.py checks xent.megatron against Megatron-core itself.
+  if ! python3 -c 'import megatron.core' >/dev/null 2>&1; then
+    xent_torch_say "megatron-core is not importable: installing it from PyPI (python3 -m pip install megatron-core==0.16.1)"
+    python3 -m pip install megatron-core==0.16.1 >&2 ||
+      xent_torch_say "pip could not install megatron-core: its tests will skip"
+  fi
+  if ! python3 -c 'import scikit_build_core' >/dev/null 2>&1; then
+    xent_torch_say "scikit-build-core is not importable: installing it from PyPI (python3 -m pip install scikit-build-core)"
+    python3 -m pip install scikit-build-core >&2 ||
+      xent_torch_say "pip could not install scikit-build-core: python_package will skip"
   fi
   local info
   if ! info=$(python3 - <<'EOF' 2>/dev/null

@@ -8,9 +8,11 @@ kernels that torch.compile needs (xent._fake).
 logits_shard is [..., this rank's vocabulary columns] and target [...] (any leading dimensions,
 e.g. Megatron's [seq, batch]); reduction="none" gives a loss of the target's shape.
 
-The library is the first of: $XENT_TORCH_LIB (a path), libxent_torch.so next to this file, then
-build/ and build-torch/ of the repository this file lives in (src/torch/libxent_torch.so there).
-Build it with -DXENT_WITH_TORCH=ON (docs/torch.md). See docs/torch.md for the options.
+The library is the first of: $XENT_TORCH_LIB (a path), libxent_torch.so in this package (where
+`pip install --no-build-isolation .` puts it; any folder of the package's path, so that
+`pip install -e .` finds it too), then build/ and build-torch/ of the repository this file lives
+in (src/torch/libxent_torch.so there, from the CMake build with -DXENT_WITH_TORCH=ON). See
+docs/torch.md for the options.
 """
 
 import os
@@ -30,7 +32,8 @@ def _candidates():
         yield pathlib.Path(env)
         return
     here = pathlib.Path(__file__).resolve().parent
-    yield here / _NAME
+    for folder in [here] + [pathlib.Path(p) for p in __path__]:
+        yield folder / _NAME
     repo = here.parent.parent
     for build in ("build", "build-torch"):
         yield repo / build / "src" / "torch" / _NAME
@@ -49,6 +52,20 @@ def library_path():
     )
 
 
+def _check_built_torch():
+    """A wheel's library works with the PyTorch it was built against only (its C++ ABI)."""
+    try:
+        from . import _build  # written by the wheel build; absent in the repository
+    except ImportError:
+        return
+    if torch.__version__ != _build.TORCH_VERSION:
+        raise ImportError(
+            f"xent: this installation was built against PyTorch {_build.TORCH_VERSION}, but "
+            f"PyTorch {torch.__version__} is imported: reinstall xent with this PyTorch "
+            f"(pip install --no-build-isolation <xent source>)")
+
+
+_check_built_torch()
 torch.ops.load_library(library_path())
 from . import _dtensor  # noqa: E402
 from . import _fake  # noqa: E402,F401  (registers the fake kernels)

@@ -1,0 +1,198 @@
+"""Megatron-core drop-in: xent's vocab-parallel cross-entropy behind Megatron-core's own names.
+
+    import xent.megatron
+    loss = xent.megatron.vocab_parallel_cross_entropy(logits, labels)  # [s, b, V/tp] -> [s, b]
+
+    xent.megatron.patch()    # Megatron's own entry points now call xent (see patch())
+    xent.megatron.unpatch()  # and now Megatron's own functions again
+
+With label_smoothing = 0 the loss and gradient are Megatron's, to rounding. With
+label_smoothing > 0 they are NOT Megatron's: xent computes PyTorch's definition
+(F.cross_entropy(label_smoothing=...) on the full vocabulary), see vocab_parallel_cross_entropy
+and docs/megatron.md.
+
+megatron-core is imported only by patch(), unpatch() and a call with tp_group=None (which asks
+megatron.core.parallel_state for the group); with tp_group given, it need not be installed.
+"""
+
+import functools
+import importlib
+import sys
+import types
+import warnings
+
+from . import vocab_parallel_cross_entropy as _xent_loss
+
+__all__ = ["fused_vocab_parallel_cross_entropy", "patch", "unpatch",
+           "vocab_parallel_cross_entropy"]
+
+# Megatron has no ignore_index: a target outside the vocabulary gets a meaningless loss there,
+# which its callers mask out (LLaVA's labels use -100 for that). xent gives -100 a loss and a
+# gradient of exactly 0 instead; any other out-of-range target is an error (CPU: raised at once;
+# CUDA: NaN loss, reported by xent.check_errors()), where Megatron silently computes garbage.
+_IGNORE_INDEX = -100
+
+# Megatron always scales the per-token loss before backward (loss mask, division by the number
+# of tokens and micro-batches, fp16 loss scaling), so grad_output is never 1. "deferred" applies
+# grad_output before its single rounding, as Megatron does (it scales in float32, then casts):
+# 3 passes over the logits and no fp16 underflow of small probabilities ahead of the loss scale.
+# "fused" would round a gradient for grad_output = 1 and rescale it (5 passes, 2 roundings).
+_GRAD_MODE = "deferred"
+
+
+def _import_megatron(module_name, needed_by):
+    """The module megatron-core's `module_name`, or an ImportError saying who needs it."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(
+            f"xent.megatron: {needed_by} needs megatron-core, and importing {module_name} "
+            f"failed ({e}); install it (pip install megatron-core), or pass tp_group "
+            f"explicitly to use vocab_parallel_cross_entropy without it") from e
+
+
+def _tensor_parallel_layout(tp_group):
+    """(group, this rank's index in it, its size): Megatron's tensor-parallel group if None."""
+    if tp_group is not None:
+        return tp_group, tp_group.rank(), tp_group.size()
+    parallel_state = _import_megatron("megatron.core.parallel_state",
+                                      "vocab_parallel_cross_entropy with tp_group=None")
+    group = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    if group is None:
+        raise RuntimeError(
+            "xent.megatron: tp_group is None and Megatron's tensor-parallel group is not "
+            "initialized: call megatron.core.parallel_state.initialize_model_parallel(...) "
+            "first, or pass tp_group")
+    # Megatron's own function takes its rank and size from these, which set_tensor_model_*
+    # can override; xent needs the shards in the group's rank order, so they must agree.
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if (rank, world) != (group.rank(), group.size()):
+        raise RuntimeError(
+            f"xent.megatron: Megatron's tensor-parallel rank and size are {rank} of {world} "
+            f"(set_tensor_model_parallel_rank/_world_size) but this process is rank "
+            f"{group.rank()} of {group.size()} in the tensor-parallel group: xent needs the "
+            f"vocabulary shards in the group's rank order")
+    return group, rank, world
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0,
+                                 tp_group=None):
+    """Per-token cross-entropy of vocabulary-parallel logits, as Megatron-core's function of the
+    same name: logits [s, b, V/tp] (any leading dimensions), this rank's equal share of the
+    vocabulary, columns [rank * V/tp, (rank + 1) * V/tp) as Megatron partitions it; target
+    [s, b] global class ids, the same on every rank. Returns the float32 loss [s, b], one value
+    per token (no reduction), the same on every rank; differentiable for the logits, whose
+    gradient shard flows back to this rank's logits. The logits are never written.
+
+    loss = logsumexp(x) - x[target], x the full row of V logits (every column a class:
+    Megatron's padded vocabulary columns included, as Megatron counts them).
+
+    tp_group: the tensor-parallel ProcessGroup; None asks
+    megatron.core.parallel_state.get_tensor_model_parallel_group() (and Megatron's rank and size).
+
+    label_smoothing (alpha) > 0 computes PyTorch's definition, NOT Megatron's:
+        xent:     (1 - alpha) * loss + alpha * (logsumexp(x) - mean over all V columns of x),
+                  = F.cross_entropy(x, target, label_smoothing=alpha), the same on every rank;
+        Megatron: (1 - s) * loss - s * mean over this rank's V/tp columns of log softmax(x),
+                  s = alpha * (V/tp) / (V/tp - 1): a different value on every rank when tp > 1.
+    A UserWarning says so on use; docs/megatron.md has the details.
+
+    A target of -100 gets loss 0 and gradient 0 (Megatron has no ignore index and returns a
+    meaningless value there); any other target outside [0, V) raises (CPU) or gives a NaN loss
+    that xent.check_errors(tp_group) reports (CUDA), where Megatron returns a meaningless value.
+    """
+    if label_smoothing > 0:
+        warnings.warn(
+            f"xent.megatron.vocab_parallel_cross_entropy: label_smoothing = {label_smoothing} "
+            f"computes PyTorch's label smoothing (F.cross_entropy on the full vocabulary), not "
+            f"Megatron-core's (which rescales it by V_local / (V_local - 1) and averages over each "
+            f"rank's own shard); see docs/megatron.md", UserWarning, stacklevel=2)
+    group, rank, world = _tensor_parallel_layout(tp_group)
+    width = vocab_parallel_logits.size(-1)
+    # Megatron's partition, given explicitly: no collective to plan the layout.
+    return _xent_loss(vocab_parallel_logits, target, group, ignore_index=_IGNORE_INDEX,
+                      label_smoothing=label_smoothing, reduction="none",
+                      vocab_start=rank * width, vocab_size=world * width,
+                      grad_mode=_GRAD_MODE)
+
+
+def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
+    """Megatron-core's fused_vocab_parallel_cross_entropy (no label smoothing): the same loss as
+    vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group). tp_group=None
+    asks Megatron's parallel state (Megatron's own function needs a group).
+
+    Megatron's fused version always rounds the gradient to bfloat16; xent's has the logits'
+    dtype (float32 logits get a float32 gradient)."""
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group)
+
+
+def _entry_point(function):
+    """A new function object that calls `function`: what patch() installs. Being a distinct
+    object, unpatch() finds exactly the places that hold it, and never touches a user's own
+    reference to xent.megatron's functions. Its __wrapped__ is `function`."""
+    @functools.wraps(function)
+    def entry_point(*args, **kwargs):
+        return function(*args, **kwargs)
+    return entry_point
+
+
+# (Megatron module defining it, its name, what patch() installs in its place)
+_TARGETS = (
+    ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy",
+     _entry_point(vocab_parallel_cross_entropy)),
+    ("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy",
+     _entry_point(fused_vocab_parallel_cross_entropy)),
+)
+
+# While patched: installed entry point -> the object it replaced.
+_replaced = {}
+
+
+def _rebind(old, new):
+    """Every attribute of every loaded module that is `old` (by identity) becomes `new`: the
+    defining module, the packages that re-export it (megatron.core.tensor_parallel) and the
+    modules that imported it by name (megatron.core.models.common.language_module)."""
+    for module in list(sys.modules.values()):
+        if not isinstance(module, types.ModuleType):
+            continue
+        for name, value in list(vars(module).items()):
+            if value is old:
+                setattr(module, name, new)
+
+
+def patch():
+    """Makes Megatron-core call xent: megatron.core.tensor_parallel.vocab_parallel_cross_entropy
+    (the unfused path, config.cross_entropy_loss_fusion = False) and
+    megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy (the fused
+    path, cross_entropy_fusion_impl = "native") are replaced by xent's, in their defining
+    modules and in every loaded module that holds them under any name (the
+    megatron.core.tensor_parallel package, LanguageModule's module, a training script's own
+    `from ... import`); modules imported later get xent's through the defining modules.
+    References held elsewhere (a local variable, a closure, a dict) keep Megatron's.
+
+    The installed functions are wrappers whose __wrapped__ is xent.megatron's function of the
+    same name. Does nothing if already patched. Undo with unpatch(). Not patched: the
+    TransformerEngine path (cross_entropy_fusion_impl = "te")."""
+    if _replaced:
+        return
+    found = []
+    for module_name, name, entry_point in _TARGETS:
+        module = _import_megatron(module_name, "xent.megatron.patch()")
+        if not hasattr(module, name):
+            raise RuntimeError(
+                f"xent.megatron.patch(): {module_name} has no {name}: this megatron-core is "
+                f"not one xent.megatron knows (written for 0.16.1)")
+        found.append((getattr(module, name), entry_point))
+    for original, entry_point in found:
+        _rebind(original, entry_point)
+        _replaced[entry_point] = original
+
+
+def unpatch():
+    """Undoes patch(): every module attribute that holds an entry point patch() installed (the
+    places patch() changed, and modules that imported one by name since) holds Megatron's
+    original function object again. Does nothing if not patched."""
+    for entry_point, original in _replaced.items():
+        _rebind(entry_point, original)
+    _replaced.clear()

@@ -1,0 +1,85 @@
+"""`pip install .` as a user runs it: the wheel built against the PyTorch of this Python, installed
+into a fresh virtual environment (which sees this Python's packages, so PyTorch is not installed
+again), then `import xent` from another directory with no XENT_TORCH_LIB or PYTHONPATH: the
+package must bring its own library, name its torch requirement, and compute the loss. Then
+`pip install -e .` (reusing the wheel's build folder) must import from the source tree.
+
+Run (from the repository root; needs scikit-build-core, torch and the CUDA toolkit):
+    python3 -m pytest -q tests/package/test_pip_install.py
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+CHECK = textwrap.dedent("""
+    import importlib.metadata, json, sys
+    import torch, torch.nn.functional as F
+    import xent
+    x = torch.randn(6, 40, dtype=torch.float64).float().requires_grad_()
+    t = torch.tensor([0, 5, 39, -100, 7, 12])
+    loss = xent.vocab_parallel_cross_entropy(x, t)
+    loss.backward()
+    want = F.cross_entropy(x.detach().double(), t)
+    print(json.dumps(dict(
+        file=xent.__file__, library=xent.library_path(), loss=float(loss), want=float(want),
+        grad_finite=bool(torch.isfinite(x.grad).all()),
+        requires=importlib.metadata.requires("xent"))))
+""")
+
+
+def clean_env():
+    env = dict(os.environ)
+    for k in ("PYTHONPATH", "XENT_TORCH_LIB"):
+        env.pop(k, None)
+    return env
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), **kw)
+    assert r.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited with {r.returncode}\n"
+        f"stdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}")
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    pytest.importorskip("scikit_build_core", reason="pip install scikit-build-core")
+    root = tmp_path_factory.mktemp("venv")
+    run([sys.executable, "-m", "venv", "--system-site-packages", str(root)])
+    return root / "bin" / "python"
+
+
+def check_import(python, cwd):
+    import json
+    out = run([str(python), "-c", CHECK], cwd=cwd)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_pip_install_then_import_anywhere(venv, tmp_path):
+    run([str(venv), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
+         str(REPO)])
+    got = check_import(venv, tmp_path)
+    site = pathlib.Path(got["file"]).parent
+    assert site.parent.name == "site-packages" and str(venv.parent.parent) in got["file"], got
+    assert pathlib.Path(got["library"]).parent == site, got
+    assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
+    assert got["grad_finite"], got
+    version = torch.__version__.split("+")[0]
+    assert got["requires"] == [f"torch=={version}"], got
+
+
+def test_editable_install_imports_the_source_tree(venv, tmp_path):
+    run([str(venv), "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index",
+         "-e", str(REPO)])
+    got = check_import(venv, tmp_path)
+    assert pathlib.Path(got["file"]) == REPO / "python" / "xent" / "__init__.py", got
+    assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
