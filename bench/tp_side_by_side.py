@@ -5,10 +5,12 @@ points against Megatron-core's own functions, PyTorch's loss_parallel() and Lige
 
 One process per GPU, each holding its equal share of the vocabulary of logits [S, B, V/tp]
 (Megatron's layout, S x B tokens, B = 1) in bf16, as a leaf that requires grad. Each
-implementation's step is the per-token loss, its mean, and torch.autograd.grad for the logits:
-  xent            xent.vocab_parallel_cross_entropy(logits, target, group) (the defaults)
+implementation's step is the mean loss over tokens (per-token losses reduced with .mean() where
+an implementation returns those) and torch.autograd.grad for the logits:
+  xent            xent.vocab_parallel_cross_entropy(logits, target, group): the defaults, the
+                  mean over tokens inside
   xent.megatron   xent.megatron.vocab_parallel_cross_entropy(logits, target, 0.0, group)
-  xent.dtensor    xent.vocab_parallel_cross_entropy on a DTensor sharded on the vocabulary
+  xent.dtensor    the same on a DTensor sharded on the vocabulary
   megatron        megatron.core.tensor_parallel.vocab_parallel_cross_entropy (unfused)
   megatron.fused  megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy
   loss_parallel   with torch.distributed.tensor.parallel.loss_parallel(): F.cross_entropy on the
@@ -43,17 +45,19 @@ def slowest(x, device):
 
 
 def implementations(group, mesh):
-    """name -> (make_loss(logits, target) -> per-token loss, or None, why it is missing)."""
+    """name -> (make_loss(logits, target) -> per-token loss, None), (None, why it is missing), or
+    (step(logits, target) -> mean loss, "step") where the gradient must be taken inside."""
     from torch.distributed.tensor import DTensor, Shard
     impls = {}
-    impls["xent"] = (lambda x, t: xent.vocab_parallel_cross_entropy(x, t, group,
-                                                                    reduction="none"), None)
+    # The plain entry points as their users call them: the mean over tokens inside (grad_output
+    # is then the scalar 1, which the fused gradient needs no pass for). Megatron's entry point
+    # returns per-token losses, which the caller reduces (xent.megatron then runs deferred).
+    impls["xent"] = (lambda x, t: xent.vocab_parallel_cross_entropy(x, t, group), None)
     impls["xent.megatron"] = (
         lambda x, t: xent.megatron.vocab_parallel_cross_entropy(x, t, 0.0, group), None)
     impls["xent.dtensor"] = (
         lambda x, t: xent.vocab_parallel_cross_entropy(
-            DTensor.from_local(x, mesh, [Shard(2)], run_check=False), t,
-            reduction="none").to_local(), None)
+            DTensor.from_local(x, mesh, [Shard(2)], run_check=False), t).to_local(), None)
     try:
         from megatron.core import parallel_state
         from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -66,11 +70,14 @@ def implementations(group, mesh):
         impls["megatron"] = impls["megatron.fused"] = (None, f"megatron-core: {e}")
 
     def loss_parallel_step(x, t):
+        # Its backward must run inside the context too: the whole step is here.
         from torch.distributed.tensor.parallel import loss_parallel
         d = DTensor.from_local(x.flatten(0, 1), mesh, [Shard(1)], run_check=False)
         with loss_parallel():
-            return F.cross_entropy(d, t.flatten(), reduction="none").to_local()
-    impls["loss_parallel"] = (loss_parallel_step, None)
+            loss = F.cross_entropy(d, t.flatten())
+            torch.autograd.grad(loss, [x])
+        return loss.to_local()
+    impls["loss_parallel"] = (loss_parallel_step, "step")
     try:
         from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
         impls["liger"] = (lambda x, t: LigerVocabParallelCEFunction.apply(
@@ -127,6 +134,8 @@ def main():
                 continue
 
             def step():
+                if why == "step":  # the function is the whole step
+                    return make_loss(x, t)
                 loss = make_loss(x, t).float().mean()
                 torch.autograd.grad(loss, [x])
                 return loss

@@ -1,6 +1,6 @@
 """`pip install .` as a user runs it: the wheel built against the PyTorch of this Python, installed
-into a fresh virtual environment (which sees this Python's packages, so PyTorch is not installed
-again), then `import xent` from another directory with no XENT_TORCH_LIB or PYTHONPATH: the
+into a fresh virtual environment (which sees this Python's packages through a .pth file, so
+PyTorch is not installed again), then `import xent` from another directory with no XENT_TORCH_LIB or PYTHONPATH: the
 package must bring its own library, name its torch requirement, and compute the loss. Then
 `pip install -e .` (reusing the wheel's build folder) must import from the source tree.
 
@@ -54,8 +54,17 @@ def run(cmd, **kw):
 def venv(tmp_path_factory):
     pytest.importorskip("scikit_build_core", reason="pip install scikit-build-core")
     root = tmp_path_factory.mktemp("venv")
-    run([sys.executable, "-m", "venv", "--system-site-packages", str(root)])
-    return root / "bin" / "python"
+    run([sys.executable, "-m", "venv", str(root)])
+    python = root / "bin" / "python"
+    # The new environment sees this Python's packages (PyTorch, scikit-build-core) after its own,
+    # also where this Python is itself a virtual environment (whose packages
+    # --system-site-packages would not show: it shows the base interpreter's).
+    import site
+    own = run([str(python), "-c", "import site; print(site.getsitepackages()[0])"]).strip()
+    outer = site.getsitepackages() + [site.getusersitepackages()]
+    pathlib.Path(own, "outer_packages.pth").write_text(
+        "".join(p + "\n" for p in outer if os.path.isdir(p)))
+    return python
 
 
 def check_import(python, cwd):
