@@ -1,0 +1,31 @@
+// DeviceScope: the group's device, current for one call (src/group.cpp, api.cpp, layout.cpp).
+#pragma once
+
+#include "comm/comm.h"
+#include "xent/xent.h"
+
+namespace xent {
+
+// Makes the group's device current for one call and restores the caller's after it, as NCCL's
+// enqueue does: a call on another device's group neither launches nor allocates on the wrong one.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const Group& group) {
+    if (group.backend() != Backend::cuda || group.device() < 0) return;
+    comm::check_cuda(cudaGetDevice(&saved_), "cudaGetDevice");
+    if (saved_ == group.device()) return;
+    comm::check_cuda(cudaSetDevice(group.device()), "cudaSetDevice (the group's device)");
+    switched_ = true;
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(saved_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int saved_ = -1;
+  bool switched_ = false;
+};
+
+}  // namespace xent
