@@ -100,6 +100,10 @@ def test_pip_install_then_import_anywhere(venv, tmp_path, isolation):
     site = pathlib.Path(got["file"]).parent
     assert site.parent.name == "site-packages" and str(venv.parent.parent) in got["file"], got
     assert pathlib.Path(got["library"]).parent == site, got
+    # Nothing is loaded from where the build ran (an isolated build's folder under /tmp).
+    runpath = subprocess.run(["readelf", "-d", got["library"]], capture_output=True,
+                             text=True).stdout
+    assert "pip-build-env" not in runpath and "$ORIGIN" in runpath, runpath
     assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
     assert got["grad_finite"], got
     version = torch.__version__.split("+")[0]

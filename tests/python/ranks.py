@@ -55,3 +55,33 @@ def expect_case(results, reports, case):
         if outcome is None:
             pytest.fail(f"rank {rank} never finished case {case}\n" + "\n".join(reports))
         assert outcome["ok"], f"rank {rank}, case {case}:\n{outcome['error']}"
+
+
+def fixture(worker_file, name, world, deadline_s):
+    """A module-scoped pytest fixture giving backend -> (per-rank results, reports), the ranks of
+    each backend run once: `two_ranks = ranks.fixture(__file__, "name", 2, 240)` in a test file."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def two_ranks(tmp_path_factory):
+        runs = {}
+
+        def get(backend):
+            if backend not in runs:
+                runs[backend] = launch(worker_file, backend,
+                                       tmp_path_factory.mktemp(f"{name}_{backend}"), world,
+                                       deadline_s)
+            return runs[backend]
+        return get
+    return two_ranks
+
+
+def assert_close(got, want, rtol, what):
+    """max |got - want| <= rtol * max |want|, in float64; a NaN fails (workers' checks)."""
+    assert tuple(got.shape) == tuple(want.shape), (
+        f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
+    g = got.detach().cpu().double()
+    w = want.detach().cpu().double()
+    scale = max(w.abs().max().item(), 1e-30)
+    err = (g - w).abs().max().item()
+    assert err <= rtol * scale, f"{what}: max |error| {err:.3e} > {rtol:g} * {scale:.3e}"

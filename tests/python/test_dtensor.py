@@ -34,16 +34,7 @@ BAD = ["bad-shard-dim", "bad-target-sharded", "bad-inplace"]
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    runs = {}
-
-    def get(backend):
-        if backend not in runs:
-            runs[backend] = ranks.launch(__file__, backend,
-                                         tmp_path_factory.mktemp(f"dtensor_{backend}"), WORLD, 180)
-        return runs[backend]
-    return get
+two_ranks = ranks.fixture(__file__, "dtensor", WORLD, 180)
 
 
 @pytest.mark.parametrize("case", list(CASES) + LAYER + BAD)

@@ -78,18 +78,7 @@ needs_megatron = pytest.mark.skipif(
 # =============================================================================== the parent
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """backend -> (per-rank results, per-rank report): each backend's ranks run once."""
-    runs = {}
-
-    def get(backend):
-        if backend not in runs:
-            runs[backend] = ranks.launch(__file__, backend,
-                                         tmp_path_factory.mktemp(f"megatron_{backend}"), WORLD,
-                                         DEADLINE_S)
-        return runs[backend]
-    return get
+two_ranks = ranks.fixture(__file__, "megatron", WORLD, DEADLINE_S)
 
 
 @needs_megatron
@@ -154,17 +143,6 @@ def test_without_megatron(tmp_path):
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _assert_close(got, want, rtol, what):
-    """max |got - want| <= rtol * max |want|, in float64; a NaN fails."""
-    assert tuple(got.shape) == tuple(want.shape), (
-        f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
-    g = got.detach().cpu().double()
-    w = want.detach().cpu().double()
-    scale = max(w.abs().max().item(), 1e-30)
-    err = (g - w).abs().max().item()
-    assert err <= rtol * scale, f"{what}: max |error| {err:.3e} > {rtol:g} * {scale:.3e}"
 
 
 def _assert_bf16_close(got, want, what):
@@ -250,11 +228,11 @@ class Rank:
         else:
             loss = xm.vocab_parallel_cross_entropy(x, target)
         assert loss.dtype == torch.float32 == want_loss.dtype, (loss.dtype, want_loss.dtype)
-        _assert_close(loss, want_loss, 1e-6, "loss vs Megatron's")
+        ranks.assert_close(loss, want_loss, 1e-6, "loss vs Megatron's")
         loss.backward(self.weight.to(self.device))
         assert x.grad.dtype == dtype, x.grad.dtype
         if dtype == torch.float32:
-            _assert_close(x.grad, want_grad, 1e-6, "gradient vs Megatron's")
+            ranks.assert_close(x.grad, want_grad, 1e-6, "gradient vs Megatron's")
         else:  # both round a float32 gradient once
             _assert_bf16_close(x.grad, want_grad, "gradient vs Megatron's")
         assert torch.equal(x.detach(), before), "xent wrote the logits"
@@ -267,7 +245,7 @@ class Rank:
         want_loss, want_grad = self.run_loss(
             fused_cross_entropy.fused_vocab_parallel_cross_entropy, dtype, self.tp_group)
         loss, grad = self.run_loss(xm.fused_vocab_parallel_cross_entropy, dtype, self.tp_group)
-        _assert_close(loss, want_loss, 1e-6, "fused loss vs Megatron's")
+        ranks.assert_close(loss, want_loss, 1e-6, "fused loss vs Megatron's")
         assert grad.dtype == dtype, grad.dtype  # Megatron's is rounded to bf16 in any case
         _assert_bf16_close(grad, want_grad, "fused gradient vs Megatron's")
 
@@ -290,8 +268,8 @@ class Rank:
         assert any(issubclass(w.category, UserWarning) and "label_smoothing" in str(w.message)
                    and "not Megatron-core's" in str(w.message) for w in caught), (
             [str(w.message) for w in caught])
-        _assert_close(loss, want.detach(), 1e-6, "smoothed loss vs float64 F.cross_entropy")
-        _assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
+        ranks.assert_close(loss, want.detach(), 1e-6, "smoothed loss vs float64 F.cross_entropy")
+        ranks.assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
                       "smoothed gradient vs float64 F.cross_entropy")
 
         # Megatron: (1 - s) * CE - s * mean over this rank's columns of log softmax,
@@ -302,7 +280,7 @@ class Rank:
         ce = -log_p.gather(-1, self.target.unsqueeze(-1)).squeeze(-1)
         s = SMOOTHING * WIDTH / (WIDTH - 1)
         meg_formula = (1 - s) * ce - s * log_p[..., self.lo:self.hi].mean(-1)
-        _assert_close(meg, meg_formula, 1e-5, "Megatron's smoothed loss vs the documented formula")
+        ranks.assert_close(meg, meg_formula, 1e-5, "Megatron's smoothed loss vs the documented formula")
 
         differ = (meg.cpu().double() - loss.cpu().double()).abs().max().item()
         assert differ > 1e-3, f"Megatron's smoothed loss equals xent's (max |diff| {differ:.2e})"
@@ -361,7 +339,7 @@ class Rank:
         # Megatron's own functions first: a positive loss for the -100 token
         for fusion in (False, True):
             meg, _ = self.language_model_loss(fusion)
-            _assert_close(meg[valid], want.detach()[valid], 1e-6, f"Megatron (fusion={fusion})")
+            ranks.assert_close(meg[valid], want.detach()[valid], 1e-6, f"Megatron (fusion={fusion})")
             assert meg[0, 1].item() > 0, f"Megatron (fusion={fusion}) gave {meg[0, 1].item()}"
 
         xm.patch()
@@ -383,9 +361,9 @@ class Rank:
         # Megatron's LanguageModule now runs xent on both paths: -100 is ignored
         for fusion in (False, True):
             loss, grad = self.language_model_loss(fusion)
-            _assert_close(loss, want.detach(), 1e-6, f"patched loss (fusion={fusion})")
+            ranks.assert_close(loss, want.detach(), 1e-6, f"patched loss (fusion={fusion})")
             assert loss[0, 1].item() == 0.0, loss[0, 1].item()
-            _assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
+            ranks.assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
                           f"patched gradient (fusion={fusion})")
 
         xm.unpatch()

@@ -73,21 +73,7 @@ def shard_bounds(rank):
 # =============================================================================== the parent
 
 
-def _launch(backend, tmp):
-    """Runs both ranks to completion or the deadline; returns (per-rank results, per-rank log)."""
-    return ranks.launch(__file__, backend, tmp, WORLD, DEADLINE_S)
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """backend -> (per-rank results, per-rank report): each backend's ranks run once."""
-    runs = {}
-
-    def get(backend):
-        if backend not in runs:
-            runs[backend] = _launch(backend, tmp_path_factory.mktemp(f"xent_{backend}"))
-        return runs[backend]
-    return get
+two_ranks = ranks.fixture(__file__, "xent", WORLD, DEADLINE_S)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -105,17 +91,6 @@ def test_ranks_exit_cleanly(backend, two_ranks):
 
 
 # =============================================================================== the ranks
-
-
-def _assert_close(got, want, rtol, what):
-    """max |got - want| <= rtol * max |want|, in float64; a NaN fails."""
-    assert tuple(got.shape) == tuple(want.shape), (
-        f"{what}: shape {tuple(got.shape)}, want {tuple(want.shape)}")
-    g = got.detach().cpu().double()
-    w = want.detach().cpu().double()
-    scale = max(w.abs().max().item(), 1e-30)
-    err = (g - w).abs().max().item()
-    assert err <= rtol * scale, f"{what}: max |error| {err:.3e} > {rtol:g} * {scale:.3e}"
 
 
 def _grad_rtol(dtype):
@@ -183,9 +158,9 @@ class Rank:
             logits, target.to(self.device), self.group, reduction=reduction,
             label_smoothing=SMOOTHING, grad_mode=grad_mode, inplace_grad=inplace)
         assert loss.shape == want.shape, (tuple(loss.shape), tuple(want.shape))
-        _assert_close(loss, want.detach(), 1e-5, "loss")
+        ranks.assert_close(loss, want.detach(), 1e-5, "loss")
         loss.backward(weight.to(self.device))
-        _assert_close(shard.grad, want_grad, _grad_rtol(dtype), "gradient shard")
+        ranks.assert_close(shard.grad, want_grad, _grad_rtol(dtype), "gradient shard")
         assert shard._version == version and torch.equal(shard.detach(), before), (
             "the leaf logits shard was written")
 
@@ -223,8 +198,8 @@ class Rank:
         want = F.cross_entropy(xd @ wd.t(), target, ignore_index=IGNORE,
                                label_smoothing=SMOOTHING)
         want.backward()
-        _assert_close(eager[0], want.detach(), 1e-5, "eager loss vs float64")
-        _assert_close(eager[2], wd.grad[self.lo:self.hi], 1e-5, "eager dw vs float64")
+        ranks.assert_close(eager[0], want.detach(), 1e-5, "eager loss vs float64")
+        ranks.assert_close(eager[2], wd.grad[self.lo:self.hi], 1e-5, "eager dw vs float64")
 
         torch._dynamo.reset()
         counters.clear()
@@ -234,7 +209,7 @@ class Rank:
         assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
         torch._dynamo.reset()
         for g, e, what in zip(got, eager, ("loss", "dx", "dw")):
-            _assert_close(g, e, 1e-5, f"compiled {what} vs eager")
+            ranks.assert_close(g, e, 1e-5, f"compiled {what} vs eager")
 
     def bad_case(self):
         import xent
