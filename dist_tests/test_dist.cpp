@@ -1,7 +1,8 @@
 // Multi-rank tests, run under mpirun with 2, 3 and 4 ranks. Every rank builds the same global
 // [N, Vpad] logits (fixed seeds), takes its own (uneven) slice of the vocabulary, runs xent, and
 // checks that ITS loss, lse and accuracy equal the unsharded double-precision reference
-// (tests/reference.h) and that ITS gradient shard equals the reference's slice.
+// (tests/reference.h, checked by tests/harness.h) and that ITS gradient shard equals the
+// reference's slice.
 //
 // XENT_TEST_BACKEND=cpu (default): xent::mpi::host_group(MPI_COMM_WORLD), host buffers.
 // XENT_TEST_BACKEND=cuda: xent::mpi::nccl_group(MPI_COMM_WORLD) (NCCL), device buffers; every test
@@ -23,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

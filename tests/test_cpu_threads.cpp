@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

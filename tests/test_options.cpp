@@ -6,7 +6,7 @@
 #include <string>
 #include <tuple>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "reference.h"
+#include "harness.h"
 
 namespace {
 

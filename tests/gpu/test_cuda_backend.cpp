@@ -32,7 +32,8 @@
 #include <thread>
 #include <vector>
 
-#include "reference.h"  // element loads and stores of each dtype
+#include "cuda_test.h"
+#include "inputs.h"  // element loads and stores of each dtype
 
 namespace {
 
@@ -42,21 +43,8 @@ using xent::GradMode;
 using xent::IndexType;
 using xent::Reduction;
 
-bool gpu_available() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  if (!gpu_available()) GTEST_SKIP() << "no CUDA device visible"
-
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using xtest::gpu::ck;
+using xtest::gpu::DevBuf;
 
 size_t esize(DType d) {
   return xtest::elem_size(d);
@@ -76,29 +64,6 @@ double ulp(DType d, double v) {
   std::frexp(v, &e);  // v = m * 2^e, m in [0.5, 1)
   return std::max(std::ldexp(1.0, e - 1 - mant), min_ulp);
 }
-
-// A device buffer that frees itself.
-struct DevBuf {
-  void* p = nullptr;
-  size_t bytes = 0;
-  explicit DevBuf(size_t n) : bytes(n) {
-    if (n > 0) ck(cudaMalloc(&p, n), "cudaMalloc");
-  }
-  ~DevBuf() {
-    if (p) cudaFree(p);
-  }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  void up(const void* h) {
-    if (bytes) ck(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-  }
-  void down(void* h) const {
-    if (bytes) ck(cudaMemcpy(h, p, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  }
-  void poison() {
-    if (bytes) ck(cudaMemset(p, 0x7f, bytes), "cudaMemset");
-  }
-};
 
 // ----------------------------------------------------------------------------- one scenario
 

@@ -14,23 +14,15 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test.h"
+
 namespace {
 
 using ::testing::HasSubstr;
 using xent::Backend;
 
-int device_count() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return n;
-}
-
-void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using xtest::gpu::ck;
+using xtest::gpu::device_count;
 
 // A small fp32 problem on one device: logits, targets and outputs there, a CPU-backend loss to
 // compare with.
