@@ -270,7 +270,7 @@ class Rank:
             [str(w.message) for w in caught])
         ranks.assert_close(loss, want.detach(), 1e-6, "smoothed loss vs float64 F.cross_entropy")
         ranks.assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
-                      "smoothed gradient vs float64 F.cross_entropy")
+                           "smoothed gradient vs float64 F.cross_entropy")
 
         # Megatron: (1 - s) * CE - s * mean over this rank's columns of log softmax,
         # s = alpha * WIDTH / (WIDTH - 1), as docs/megatron.md states
@@ -280,7 +280,8 @@ class Rank:
         ce = -log_p.gather(-1, self.target.unsqueeze(-1)).squeeze(-1)
         s = SMOOTHING * WIDTH / (WIDTH - 1)
         meg_formula = (1 - s) * ce - s * log_p[..., self.lo:self.hi].mean(-1)
-        ranks.assert_close(meg, meg_formula, 1e-5, "Megatron's smoothed loss vs the documented formula")
+        ranks.assert_close(meg, meg_formula, 1e-5,
+                           "Megatron's smoothed loss vs the documented formula")
 
         differ = (meg.cpu().double() - loss.cpu().double()).abs().max().item()
         assert differ > 1e-3, f"Megatron's smoothed loss equals xent's (max |diff| {differ:.2e})"
@@ -339,7 +340,8 @@ class Rank:
         # Megatron's own functions first: a positive loss for the -100 token
         for fusion in (False, True):
             meg, _ = self.language_model_loss(fusion)
-            ranks.assert_close(meg[valid], want.detach()[valid], 1e-6, f"Megatron (fusion={fusion})")
+            ranks.assert_close(meg[valid], want.detach()[valid], 1e-6,
+                               f"Megatron (fusion={fusion})")
             assert meg[0, 1].item() > 0, f"Megatron (fusion={fusion}) gave {meg[0, 1].item()}"
 
         xm.patch()
@@ -364,7 +366,7 @@ class Rank:
             ranks.assert_close(loss, want.detach(), 1e-6, f"patched loss (fusion={fusion})")
             assert loss[0, 1].item() == 0.0, loss[0, 1].item()
             ranks.assert_close(grad, full.grad[..., self.lo:self.hi], 1e-6,
-                          f"patched gradient (fusion={fusion})")
+                               f"patched gradient (fusion={fusion})")
 
         xm.unpatch()
         xm.unpatch()  # a no-op: not patched
