@@ -93,8 +93,7 @@ def test_two_ranks(backend, case, two_ranks):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ranks_exit_cleanly(backend, two_ranks):
     results, reports = two_ranks(backend)
-    for rank in range(WORLD):
-        assert results[rank].get("done", {}).get("ok"), "\n".join(reports)
+    ranks.expect_case(results, reports, "done")
 
 
 def test_without_megatron(tmp_path):
