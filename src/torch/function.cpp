@@ -8,13 +8,16 @@
 // the forward call, so backward's host latency never stalls the GPU) and deferred in backward.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "internal.h"
 
@@ -115,7 +118,8 @@ void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tenso
 
 namespace {
 
-using ::torch::autograd::AutogradContext;
+using ::torch::autograd::Node;
+using ::torch::autograd::SavedVariable;
 using ::torch::autograd::variable_list;
 
 void check_inputs(const at::Tensor& logits, const at::Tensor& target) {
@@ -161,110 +165,55 @@ at::Tensor as_rows(const at::Tensor& logits) {
   return flat.contiguous();
 }
 
-// What backward needs besides the saved tensors, in one saved_data entry (a map entry per field
-// cost a microsecond of the forward call).
-void save_args(AutogradContext* ctx, const OpArgs& a, bool fused, bool inplace) {
-  c10::impl::GenericList list(c10::AnyType::get());
-  list.reserve(10);
-  for (c10::IValue v :
-       {c10::IValue(a.group_name), c10::IValue(a.ignore_index), c10::IValue(a.label_smoothing),
-        c10::IValue(a.z_loss), c10::IValue(a.softcap), c10::IValue(a.reduction),
-        c10::IValue(a.vocab_start), c10::IValue(a.vocab_size), c10::IValue(fused),
-        c10::IValue(inplace)})
-    list.push_back(std::move(v));
-  ctx->saved_data["args"] = std::move(list);
-}
-
-struct SavedArgs {
+// The loss's autograd node, written as PyTorch's generated nodes are (NllLossBackward0): a
+// custom torch::autograd::Function cost about 7 µs more per forward call (its context, hash maps
+// and output wrapping), on the path to the first kernel. Only the loss takes a gradient, for the
+// logits only. Compiled autograd does not take it (nor did it take the custom Function).
+struct VocabParallelCrossEntropyBackward final : Node {
   OpArgs args;
   bool fused = false, inplace = false;
-};
+  bool consumed = false;  // the gradient was finished in place: there is no second backward
+  // The gradient for grad_output = 1 when fused (the logits in place, or forward's new tensor);
+  // else the logits. lse for deferred only.
+  SavedVariable grad_or_logits, target, lse;
 
-SavedArgs load_args(AutogradContext* ctx) {
-  const c10::impl::GenericList e = ctx->saved_data["args"].toList();
-  SavedArgs s;
-  OpArgs& a = s.args;
-  a.group_name = e.get(0).toStringRef();
-  a.ignore_index = e.get(1).toInt();
-  a.label_smoothing = e.get(2).toDouble();
-  a.z_loss = e.get(3).toDouble();
-  a.softcap = e.get(4).toDouble();
-  a.reduction = e.get(5).toStringRef();
-  a.vocab_start = e.get(6).toInt();
-  a.vocab_size = e.get(7).toInt();
-  s.fused = e.get(8).toBool();
-  s.inplace = e.get(9).toBool();
-  return s;
-}
+  std::string name() const override { return "VocabParallelCrossEntropyBackward"; }
 
-class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParallelCrossEntropy> {
- public:
-  // Outputs: loss, lse, z_loss, argmax, accuracy (only the loss is differentiable).
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
-                               const at::Tensor& target, const OpArgs& args, GradMode grad_mode,
-                               bool inplace, bool compute_accuracy, bool with_stats) {
-    const bool fused = grad_mode == GradMode::fused;
-    const ForwardMode mode = !fused    ? ForwardMode::none
-                             : inplace ? ForwardMode::fused_inplace
-                                       : ForwardMode::fused;
-    ForwardOut out;
-    {
-      // Straight to the kernel: autograd's fallback for operators without an autograd kernel
-      // (boxed, a few microseconds) has nothing to do here, and the version bump is ours.
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      out = call_forward(args, logits, target, mode, compute_accuracy, with_stats || !fused);
-    }
-    auto& [loss, lse, zl, argmax, accuracy, grad] = out;
-    if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
-
-    // Only the loss takes a gradient: no zeros for the other outputs on every backward.
-    ctx->set_materialize_grads(false);
-    save_args(ctx, args, fused, inplace);
-    // Saved after the bump: autograd's version check then catches any later in-place change.
-    if (mode == ForwardMode::fused_inplace)
-      ctx->save_for_backward({logits, target});
-    else if (mode == ForwardMode::fused)
-      ctx->save_for_backward({grad, target});
-    else
-      ctx->save_for_backward({logits, target, lse});
-    ctx->mark_non_differentiable({lse, zl, argmax, accuracy});
-    return {loss, lse, zl, argmax, accuracy};
+  void release_variables() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    grad_or_logits.reset_data();
+    target.reset_data();
+    lse.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const SavedArgs saved_args = load_args(ctx);
-    const OpArgs& args = saved_args.args;
-    const bool fused = saved_args.fused, inplace = saved_args.inplace;
-    TORCH_CHECK(ctx->saved_data.find("consumed") == ctx->saved_data.end(),
+  variable_list apply(variable_list&& grads) override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!consumed,
                 "xent: backward through vocab_parallel_cross_entropy a second time, but the "
                 "first one finished the gradient in place (grad_mode = ",
                 fused ? "fused" : "deferred", ", inplace_grad = ", inplace,
                 "); to backward more than once use grad_mode = \"deferred\" with inplace_grad = "
                 "false");
     // No gradient reached the loss (it was not used): the logits' gradient is zero.
-    if (!grads[0].defined())
-      return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-              at::Tensor(), at::Tensor(), at::Tensor()};
-    const variable_list saved = ctx->get_saved_variables();  // checks the versions
-    const at::Tensor& target = saved[1];
+    if (!grads[0].defined()) return {at::Tensor()};
+    // Unpacking checks the versions: a later in-place change to a saved tensor fails here.
+    at::Tensor grad = grad_or_logits.unpack().detach();
+    const at::Tensor saved_target = target.unpack();
     const std::optional<at::Tensor> go =
-        grads[0].to(saved[0].device(), at::kFloat).contiguous().view({-1});
-
-    // The gradient for grad_output = 1 is in saved[0] when fused (the logits, or forward's new
-    // tensor); deferred in place writes it there too.
-    at::Tensor grad = saved[0].detach();
+        grads[0].to(grad.device(), at::kFloat).contiguous().view({-1});
     {
-      const at::AutoDispatchBelowADInplaceOrView below_autograd;  // as in forward
+      // Straight to the kernels: autograd has nothing to do for the internal operators.
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
       if (fused)
-        call_scale_inplace(args, grad, target, go);
+        call_scale_inplace(args, grad, saved_target, go);
       else if (inplace)
-        call_backward_inplace(args, grad, target, saved[2], go);
+        call_backward_inplace(args, grad, saved_target, lse.unpack(), go);
       else
-        grad = call_backward(args, grad, target, saved[2], go);
+        grad = call_backward(args, grad, saved_target, lse.unpack(), go);
     }
     if (fused || inplace) {
-      ctx->saved_data["consumed"] = true;           // its presence says so
-      ::torch::autograd::impl::bump_version(grad);  // shares saved[0]'s version counter
+      consumed = true;
+      ::torch::autograd::impl::bump_version(grad);  // shares the saved tensor's version counter
     }
     if (::torch::autograd::GradMode::is_enabled()) {
       // create_graph: the gradient is not itself differentiable; fail if that is ever needed.
@@ -274,8 +223,7 @@ class VocabParallelCrossEntropy : public ::torch::autograd::Function<VocabParall
                  1)
                  .apply({grad.detach().requires_grad_()})[0];
     }
-    return {grad,         at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad};
   }
 };
 
@@ -303,15 +251,34 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
   // lse and z_loss as outputs of their own only where asked (the fused loss needs neither).
   const bool with_stats = o.return_lse || o.return_z_loss;
   at::Tensor loss, lse, zl, argmax, accuracy;
+  std::shared_ptr<VocabParallelCrossEntropyBackward> node;
+  ForwardMode mode = ForwardMode::none;
   if (autograd) {
-    variable_list out = VocabParallelCrossEntropy::apply(
-        logits, target, args, o.grad_mode, o.inplace_grad, o.compute_accuracy, with_stats);
-    loss = out[0], lse = out[1], zl = out[2], argmax = out[3], accuracy = out[4];
-  } else {
-    // Nothing will ask for a gradient: the logits are only read.
+    node.reset(new VocabParallelCrossEntropyBackward(), ::torch::autograd::deleteNode);
+    node->set_next_edges(::torch::autograd::collect_next_edges(logits));
+    node->args = args;
+    node->fused = o.grad_mode == GradMode::fused;
+    node->inplace = o.inplace_grad;
+    if (node->fused) mode = o.inplace_grad ? ForwardMode::fused_inplace : ForwardMode::fused;
+  }
+  at::Tensor grad;
+  {
+    // Straight to the kernel: autograd's fallback for operators without an autograd kernel
+    // (boxed, a few microseconds) has nothing to do here, and the version bump is ours.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    std::tie(loss, lse, zl, argmax, accuracy, std::ignore) =
-        call_forward(args, logits, target, ForwardMode::none, o.compute_accuracy, with_stats);
+    // Deferred needs lse for its backward, whether or not it is returned.
+    const bool need_lse = with_stats || (node && !node->fused);
+    std::tie(loss, lse, zl, argmax, accuracy, grad) =
+        call_forward(args, logits, target, mode, o.compute_accuracy, need_lse);
+  }
+  if (node) {
+    if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
+    // Saved after the bump: the version check then catches any later in-place change.
+    const at::Tensor& kept = mode == ForwardMode::fused ? grad : logits;
+    node->grad_or_logits = SavedVariable(kept, /*is_output=*/false);
+    node->target = SavedVariable(target, false);
+    if (!node->fused) node->lse = SavedVariable(lse, false);
+    ::torch::autograd::set_history(loss, node);
   }
   // Per-row outputs take the target's shape.
   const at::IntArrayRef shape = target_in.sizes();
