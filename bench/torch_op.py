@@ -22,6 +22,9 @@ the same machine; repeatable), each GPU time is also shown as a ratio to the raw
 backward timed the same way: `idle` to a run with `--idle`, `b2b` to a run without (back to
 back). With only a back-to-back file, idle is shown against it too (the ratio then also counts
 the launch latency that the raw figure hides).
+The cost of starting from idle, idle minus b2b, is printed for the op, the raw API and
+F.cross_entropy on this rank's shard (fwd + bwd, same harness): the host latency that a step
+from an idle GPU exposes, which no call from Python avoids.
 --profile prints torch.profiler's table of the CPU time per call (the largest totals first).
 --json FILE writes every number (rank 0).
 """
@@ -92,6 +95,13 @@ class Case:
         def step():
             loss = xent.vocab_parallel_cross_entropy(x, self.target, self.group)
             return torch.autograd.grad(loss, [x])
+        return step
+
+    def torch_step(self):
+        x = self.leaf
+
+        def step():
+            return torch.autograd.grad(F.cross_entropy(x, self.local_target), [x])
         return step
 
     def host_times(self, fn_loss, reps):
@@ -243,6 +253,11 @@ def main():
     results = []
     for tokens, vocab in shapes:
         case = Case(tokens, vocab, dtype, device, group)
+        ce_step = case.torch_step()
+        for _ in range(5):
+            ce_step()
+        ce_idle = slowest(time_idle(ce_step, args.reps, device), device)
+        ce_b2b = slowest(time_b2b(ce_step, args.reps), device)
         for kind in kinds:
             step = case.op_step(kind)
             for _ in range(5):
@@ -258,7 +273,7 @@ def main():
             res = dict(tokens=tokens, vocab=vocab, width=case.width, call=kind,
                        raw_idle_ms=raw["idle"].get(key), raw_b2b_ms=rb, idle_ms=idle,
                        b2b_ms=b2b, host_fwd_us=hf, host_bwd_us=hb, torch_host_fwd_us=tf,
-                       torch_host_bwd_us=tb)
+                       torch_host_bwd_us=tb, torch_idle_ms=ce_idle, torch_b2b_ms=ce_b2b)
             results.append(res)
             if rank == 0:
                 def cols(raw_ms, ms):
@@ -267,6 +282,15 @@ def main():
                     return f"{raw_ms:8.3f} {ms:8.3f} {ms / raw_ms:6.3f}"
                 print(f"  {tokens:7d} {vocab:7d} {case.width:7d} {kind:>8s} {cols(ri, idle)} "
                       f"{cols(rb, b2b)} {hf:7.1f} {hb:7.1f} {tf:8.1f} {tb:8.1f}", flush=True)
+        if rank == 0:
+            key = (tokens, vocab // world + (1 if vocab % world else 0))
+            ri, rb = raw["idle"].get(key), raw["b2b"].get(key)
+            rs = f"{(ri - rb) * 1e3:.1f}" if ri and rb else "-"
+            ops = ", ".join(f"{r['call']} {(r['idle_ms'] - r['b2b_ms']) * 1e3:.1f}"
+                            for r in results if r["tokens"] == tokens and r["vocab"] == vocab)
+            print(f"#   from idle, us over b2b: op {ops}; raw API {rs}; F.cross_entropy on the "
+                  f"shard {(ce_idle - ce_b2b) * 1e3:.1f} ({ce_idle:.3f} / {ce_b2b:.3f} ms)",
+                  flush=True)
         if args.profile:
             for kind in kinds:
                 profile(case, kind, rank, args.trace)
