@@ -15,11 +15,33 @@ namespace xent::core {
 
 constexpr float kNegInf = -INFINITY;
 
-XENT_HD float exp_f(float x) {
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x. On the GPU one MUFU.EX2 (ex2.approx.ftz: results below 2^-126 flush to 0, far below any
+// tolerance, and no denormal fix-up instructions around it).
+XENT_HD float exp2_f(float x) {
 #if defined(__CUDA_ARCH__)
-  return __expf(x);  // ex2.approx: a few ulp, well inside the fp32 budget of a softmax
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #else
-  return std::exp(x);
+  return std::exp2(x);
+#endif
+}
+
+// e^x: a few ulp on the GPU, well inside the fp32 budget of a softmax.
+XENT_HD float exp_f(float x) {
+  return exp2_f(x * kLog2e);
+}
+
+// 1 / d. On the GPU one MUFU.RCP (rcp.approx.ftz: about 1 ulp).
+XENT_HD float rcp_f(float d) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(d));
+  return y;
+#else
+  return 1.0f / d;
 #endif
 }
 
@@ -31,23 +53,31 @@ XENT_HD float log_f(float x) {
 #endif
 }
 
-// tanh(u) = 1 - 2 / (exp(2u) + 1), with |u| clamped at 15 where tanh is 1 in fp32 (so exp cannot
-// overflow): absolute error ~1e-7, and on the GPU one exp and one fast division instead of
-// tanhf's long polynomial or an IEEE division's slow path.
-XENT_HD float tanh_f(float u) {
-  u = u > 15.0f ? 15.0f : (u < -15.0f ? -15.0f : u);
-#if defined(__CUDA_ARCH__)
-  return 1.0f - __fdividef(2.0f, exp_f(2.0f * u) + 1.0f);
-#else
-  return 1.0f - 2.0f / (exp_f(2.0f * u) + 1.0f);
-#endif
+// The softcap z = c tanh(x / c) (c > 0), as z = c - 2c r with r = 1 / (1 + e^(2x/c)): one
+// exponential and one reciprocal, no clamp (x -> +inf: r = 0, z = c; x -> -inf: r = 1, z = -c),
+// and exp(z - c) = e^(-2c r) without a subtraction that cancels. kIn = 2 log2(e) / c turns x
+// into the exponent of 2; kOut = -2c log2(e) turns r into that of exp(z - c).
+struct CapScales {
+  float c = 0.0f, in = 0.0f, out = 0.0f;
+  XENT_HD explicit CapScales(float cap)
+      : c(cap), in(cap > 0.0f ? 2.0f * kLog2e / cap : 0.0f), out(-2.0f * kLog2e * cap) {}
+};
+
+// r = 1 / (1 + e^(2x/c)), in [0, 1].
+XENT_HD float cap_r(float x, const CapScales& k) {
+  return rcp_f(1.0f + exp2_f(x * k.in));
 }
 
-// z = c * tanh(x / c) when a softcap c > 0 is given, else z = x. The reciprocal of the loop-
-// invariant cap is hoisted by the compiler: one multiply per element, not a division.
+// z = c * tanh(x / c) when a softcap c > 0 is given, else z = x.
 XENT_HD float softcap(float x, float cap) {
-  return cap > 0.0f ? cap * tanh_f(x * (1.0f / cap)) : x;
+  if (!(cap > 0.0f)) return x;
+  const CapScales k(cap);
+  return k.c - 2.0f * k.c * cap_r(x, k);
 }
+
+// With a softcap, z < c: exp(z - c) needs no running max, and lse = c + log(sum of them), while
+// e^(-2c), the smallest term, is a normal float. Caps above this take the general path.
+constexpr float kFixedMaxCap = 40.0f;
 
 // dz/dx of the softcap, from z itself: 1 - tanh^2 = 1 - (z / c)^2.
 XENT_HD float softcap_slope(float z, float cap) {
@@ -135,11 +165,24 @@ XENT_HD GradCoef grad_coef(float lse, float scale, float smoothing, float inv_vo
   return c;
 }
 
-// Gradient w.r.t. the raw logit x of a real (non-padding) column; `z` is the softcapped logit.
-XENT_HD float grad_x(float z, bool is_target, const GradCoef& c, float cap) {
+// A logit after the softcap, and the slope dz/dx = 1 - tanh^2(x / c) = 4 r (1 - r) (which does
+// not cancel near z = c as 1 - (z / c)^2 does). Without a cap (k.c = 0): z = x, slope 1.
+struct CappedLogit {
+  float z;
+  float slope;
+};
+XENT_HD CappedLogit cap_logit(float x, const CapScales& k) {
+  if (!(k.c > 0.0f)) return {x, 1.0f};
+  const float r = cap_r(x, k);
+  return {k.c - 2.0f * k.c * r, 4.0f * r * (1.0f - r)};
+}
+
+// Gradient w.r.t. the raw logit x of a real (non-padding) column, from its softcapped logit z
+// and the softcap's slope there.
+XENT_HD float grad_x(float z, float slope, bool is_target, const GradCoef& c) {
   float g = c.softmax_coef * exp_f(z - c.lse) - c.uniform;
   if (is_target) g -= c.target_coef;
-  return g * softcap_slope(z, cap);
+  return g * slope;
 }
 
 // The reduction's scale of every row: 1 / valid rows for a mean (0 when no row is valid: an

@@ -59,6 +59,7 @@ Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt)
   p.softcap = opt.softcap;
   p.ignore_index = opt.ignore_index;
   p.reduction = opt.reduction;
+  p.programmatic_launch = opt.programmatic_launch;
   p.layout = RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy);
   return p;
 }

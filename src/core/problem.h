@@ -23,6 +23,7 @@ struct Problem {
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::mean;
   RecordLayout layout;
+  bool programmatic_launch = true;  // Options::programmatic_launch
 };
 
 // Throws xent::Error naming the argument, the value and the rule.

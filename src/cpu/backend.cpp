@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/finalize.h"
 
 namespace xent::cpu {
 
@@ -120,30 +121,19 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars) {
-  float total = 0.0f;  // fp32 like the device; rows in order
+  float total = 0.0f;  // rows in order
   int64_t valid = 0, correct = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
-    const int64_t target = core::load_target(targets.data, targets.type, r);
-    const core::RowStats g = core::merge_records(gathered, ranks, p.layout, p.rows, r);
-    lse[r] = g.lse;
-    float loss = 0.0f, zterm = 0.0f;
-    if (!ignored(p, target)) {
-      loss = core::row_loss(g.lse, g.target_z, g.sum_z, p.smoothing, p.inv_vocab, p.z_loss);
-      zterm = p.z_loss * g.lse * g.lse;
-      total += loss;
+    const core::RowTotal t =
+        core::finalize_row(p, targets.data, targets.type, gathered, ranks, r, out, lse);
+    if (t.valid) {
+      total += t.loss;
       ++valid;
-      if (g.best.index == target) ++correct;
+      correct += t.correct ? 1 : 0;
     }
-    if (p.reduction == Reduction::none) out.loss[r] = loss;
-    if (out.z_loss) out.z_loss[r] = zterm;
-    if (out.argmax) out.argmax[r] = g.best.index;
   }
-  const float scale =
-      core::reduction_scale(p.reduction == Reduction::mean, static_cast<float>(valid));
-  if (p.reduction != Reduction::none) out.loss[0] = total * scale;
-  if (out.accuracy)
-    out.accuracy[0] = valid > 0 ? static_cast<float>(correct) / static_cast<float>(valid) : 0.0f;
-  scalars[Workspace::kScale] = scale;
+  scalars[Workspace::kScale] =
+      core::finalize_totals(p, total, static_cast<float>(valid), static_cast<float>(correct), out);
   scalars[Workspace::kValid] = static_cast<float>(valid);
 }
 

@@ -35,14 +35,19 @@ struct DevBuf {
   }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
+  // up() and poison() wait until the device holds the data: they run on the legacy default
+  // stream (a pageable cudaMemcpy may return before its DMA lands, and cudaMemset is
+  // asynchronous), which a non-blocking stream's later work does not wait for.
   void up(const void* h) {
     if (bytes) ck(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
   void down(void* h) const {
     if (bytes) ck(cudaMemcpy(h, p, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
   }
   void poison() {
     if (bytes) ck(cudaMemset(p, 0x7f, bytes), "cudaMemset");
+    ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   }
 };
 

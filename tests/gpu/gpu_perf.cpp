@@ -22,7 +22,6 @@
 
 #include "backend.h"
 #include "core/problem.h"
-#include "cuda/tuning.cuh"
 
 namespace {
 
@@ -106,8 +105,8 @@ int main(int argc, char** argv) {
     ck(cudaMemcpyAsync(dst, src, copy_bytes, cudaMemcpyDeviceToDevice, nullptr), "copy");
   });
   const double copy_bw = 2.0 * copy_bytes / (copy_ms * 1e-3);
-  std::printf("programmatic dependent launch: %s by default\n",
-              xent::cuda::programmatic_launch() ? "on" : "off");
+  std::printf("programmatic dependent launch: %s by default (Options::programmatic_launch)\n",
+              xent::Options{}.programmatic_launch ? "on" : "off");
   std::printf("copy bandwidth: %.1f GB/s (read + write, %zu MiB copy, %.3f ms)\n\n", copy_bw * 1e-9,
               copy_bytes >> 20, copy_ms);
   ck(cudaFree(src), "free");
@@ -164,9 +163,9 @@ int main(int argc, char** argv) {
         xent::backward(g, lv, tv, lse, nullptr, opt, nullptr);
       };
       const double ms = timer.median(step);
-      xent::cuda::set_programmatic_launch(false);
+      opt.programmatic_launch = false;
       const double ms_nopdl = timer.median(step);
-      xent::cuda::set_programmatic_launch(true);
+      opt.programmatic_launch = true;
       std::printf("%-6lld %-7lld %-9s %9.3f %10.3f %6.1f%% %10.3f %6.1f%%\n", (long long)N,
                   (long long)V, xent::to_string(mode), roof_ms, ms, 100.0 * roof_ms / ms, ms_nopdl,
                   100.0 * roof_ms / ms_nopdl);

@@ -1,0 +1,122 @@
+// The gradient kernels: d loss / d logits of each row (fused forward and deferred backward), and
+// the fused backward's scaling of finished gradient rows by grad_output.
+//
+// The gradient walks the rows last to first, so that the rows the statistics kernel read last
+// are still in L2 when it starts. scale_rows is a grid-stride loop over at most 4 blocks per SM;
+// each block first reads a scalar grad_output and returns when it is 1.
+#include <cuda_runtime.h>
+
+#include "backend.h"
+#include "core/dtype.h"
+#include "cuda/launch.cuh"
+#include "cuda/row_walk.cuh"
+
+namespace xent::cuda {
+namespace {
+
+using namespace detail;
+
+// The pointers of one gradient launch (the problem and the views travel whole).
+struct GradPointers {
+  const float* lse;
+  const float* scalars;
+  const float* grad_output;  // nullptr: 1; per row for Reduction::none
+};
+
+template <typename E, int kGroup, bool kCap>
+__global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
+    gradient_kernel(const core::Problem p, const LogitsView in, const LogitsView out,
+                    const TargetsView targets, const GradPointers ptr) {
+  using T = typename E::type;
+  using Walk = RowWalk<T, kGroup>;
+  pdl_trigger();
+  pdl_wait();
+  const int64_t g = group_index<kGroup>();
+  if (g >= p.rows) return;
+  const int64_t row = p.rows - 1 - g;  // last row first: it is the likeliest to be in L2
+  const int t = group_lane<kGroup>();
+  const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
+  T* dx = static_cast<T*>(out.data) + row * out.row_stride;
+  const int n = static_cast<int>(p.cols);
+
+  const int64_t target = core::load_target(targets.data, targets.type, row);
+  if (target == p.ignore_index || !core::target_in_range(target, p.vocab_size)) {
+    Walk::zero(dx, n, t);
+    return;
+  }
+  const float go =
+      ptr.grad_output == nullptr ? 1.0f : ptr.grad_output[p.reduction == Reduction::none ? row : 0];
+  const float scale = ptr.scalars[Workspace::kScale] * go;
+  const core::GradCoef c = core::grad_coef(ptr.lse[row], scale, p.smoothing, p.inv_vocab, p.z_loss);
+  const core::CapScales k(kCap ? p.softcap : 0.0f);
+  const int64_t l = target - p.vocab_start;
+  const int rc = static_cast<int>(p.real_cols);
+  const int tl = (l >= 0 && l < rc) ? static_cast<int>(l) : -1;
+  Walk::transform(x, dx, n, t, [&](T v, int col) {
+    const core::CappedLogit z = core::cap_logit(E::load(v), k);
+    const float g = core::grad_x(z.z, z.slope, col == tl, c);
+    return E::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
+  });
+}
+
+template <typename E, int kGroup>
+__global__ void __launch_bounds__(kBlock)
+    scale_rows_kernel(const core::Problem p, const LogitsView grad, const float* grad_output) {
+  using T = typename E::type;
+  pdl_trigger();
+  pdl_wait();
+  const bool per_row = p.reduction == Reduction::none;
+  float f0 = 1.0f;
+  if (!per_row) {
+    f0 = grad_output[0];
+    if (f0 == 1.0f) return;  // the common case: nothing to do
+  }
+  constexpr int kRows = kBlock / kGroup;
+  const int t = group_lane<kGroup>();
+  for (int64_t row = group_index<kGroup>(); row < p.rows;
+       row += static_cast<int64_t>(gridDim.x) * kRows) {
+    const float f = per_row ? grad_output[row] : f0;
+    if (f == 1.0f) continue;
+    T* q = static_cast<T*>(grad.data) + row * grad.row_stride;
+    RowWalk<T, kGroup>::transform(q, q, static_cast<int>(p.cols), t,
+                                  [&](T v, int) { return E::store(E::load(v) * f); });
+  }
+}
+
+}  // namespace
+
+void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+              const float* lse, const float* scalars, const float* grad_output,
+              cudaStream_t stream) {
+  if (p.rows == 0) return;
+  check_shape(p, in);
+  if (out.data != in.data) check_shape(p, out, "grad");
+  const GradPointers ptr{lse, scalars, grad_output};
+  core::dispatch_dtype(in.dtype, [&](auto e) {
+    using E = decltype(e);
+    dispatch_group<typename E::type>(p.cols, [&](auto group) {
+      dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
+        launch("xent gradient kernel", gradient_kernel<E, group(), cap()>,
+               row_blocks<group()>(p.rows), kBlock, p.programmatic_launch, stream, p, in, out,
+               targets, ptr);
+      });
+    });
+  });
+}
+
+void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
+                cudaStream_t stream) {
+  if (p.rows == 0 || grad_output == nullptr) return;
+  check_shape(p, grad);
+  const unsigned max_blocks = static_cast<unsigned>(device_info().sms) * 4u;
+  core::dispatch_dtype(grad.dtype, [&](auto e) {
+    using E = decltype(e);
+    dispatch_group<typename E::type>(p.cols, [&](auto group) {
+      const unsigned blocks = std::min(row_blocks<group()>(p.rows), max_blocks);
+      launch("xent scale_rows kernel", scale_rows_kernel<E, group()>, blocks, kBlock,
+             p.programmatic_launch, stream, p, grad, grad_output);
+    });
+  });
+}
+
+}  // namespace xent::cuda

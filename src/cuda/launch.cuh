@@ -1,0 +1,61 @@
+// How the CUDA backend launches: the CUDA error check, the device's properties (read once per
+// device), the launch itself (programmatic dependent launch where the problem asks for it and the
+// device takes it), and the runtime-to-template dispatch that picks a kernel instantiation.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "core/problem.h"
+#include "xent/xent.h"
+
+namespace xent::cuda::detail {
+
+// Throws xent::Error naming the CUDA call when e is an error.
+void check(cudaError_t e, const char* what);
+
+// What the launches need of the current device: its multiprocessors, and whether it takes
+// programmatic dependent launch (compute capability 9.0 and newer).
+struct DeviceInfo {
+  int sms;
+  bool pdl;
+};
+DeviceInfo device_info();
+
+// Throws xent::Error for a launch that failed (clearing the error, so that the caller's next
+// check does not report it again).
+void launch_failed(const char* name, cudaError_t e);
+
+// kernel<<<grid, block, 0, stream>>>(args...), with programmatic stream serialization when `pdl`
+// and the device takes it; reports the launch's own status only (cudaGetLastError here would
+// also report an earlier, unrelated asynchronous error of the caller's as this launch's).
+template <typename... Params, typename... Args>
+void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block, bool pdl,
+            cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl && device_info().pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) launch_failed(name, e);
+}
+
+// f(std::bool_constant<b>{}): a run-time flag as a template argument.
+template <typename F>
+decltype(auto) dispatch_bool(bool b, F&& f) {
+  return b ? f(std::true_type{}) : f(std::false_type{});
+}
+
+// Rows and columns as the kernels index them: columns in int (checked), rows in int64; and the
+// data aligned to its element size.
+void check_shape(const core::Problem& p, LogitsView logits, const char* name = "logits");
+
+}  // namespace xent::cuda::detail
