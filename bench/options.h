@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
 
@@ -37,13 +38,20 @@ struct Settings {
   uint64_t seed = 1;
   std::string json;
   std::string command;  // argv, joined
+  int ranks = 1;        // MPI ranks: the tensor-parallel size
 };
 
 enum ParseStatus { kParseOk = 0, kParseHelp = 1, kParseError = 2 };
+
+const char* dtype_name(int dtype);
+const char* reduction_name(int reduction);
 
 // cuda_devices: what cudaGetDeviceCount said (0 when none or no driver); picks the default device.
 // On kParseHelp `message` is the help text; on kParseError the reason.
 ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_devices,
                            Settings& s, std::string& message);
+
+// The settings as the JSON's "config" echoes them, from the same table as the flags.
+void echo_config(const Settings& s, nlohmann::json& config);
 
 }  // namespace xb

@@ -1,0 +1,156 @@
+// xent_dist_bench: the table and the JSON file, from the settings, the environment and the rows.
+#include <cinttypes>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "harness.h"
+
+#ifndef XENT_BENCH_VERSION
+#define XENT_BENCH_VERSION "unknown"
+#endif
+
+namespace xb {
+namespace {
+
+double gbps(const Result& r) {
+  return r.bytes / (r.total_ms * 1e-3) / 1e9;
+}
+// The 3-pass roofline: the row's bytes at the copy bandwidth measured at start-up.
+double roofline_ms(const Result& r, const Env& env) {
+  return r.bytes / env.copy_bw * 1e3;
+}
+double roofline_pct(const Result& r, const Env& env) {
+  return 100.0 * roofline_ms(r, env) / r.total_ms;
+}
+
+nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results,
+                       int64_t wrong) {
+  using nlohmann::json;
+  json j;
+  j["tool"] = "xent_dist_bench";
+  j["version"] = XENT_BENCH_VERSION;
+  j["command"] = s.command;
+  j["env"] = {{"hostname", env.hostname},
+              {"started", env.started},
+              {"ranks", env.ranks},
+              {"backend", s.device},
+              {"ranks_detail", env.rank_lines},
+              {"mpi", env.mpi},
+              {"cuda_runtime", env.cuda_runtime},
+              {"cuda_driver", env.cuda_driver},
+              {"nccl", env.nccl},
+              {"copy_bandwidth_gbps", env.copy_bw / 1e9},
+              {"copy_bandwidth_method", env.copy_how}};
+  j["config"] = json::object();
+  echo_config(s, j["config"]);
+  json rows = json::array();
+  for (const Result& r : results) {
+    json row = {{"tokens", r.tokens},
+                {"vocab_per_rank", r.width},
+                {"mode", r.mode},
+                {"dtype", dtype_name(s.dtype)},
+                {"fwd_ms", r.fwd_ms},
+                {"bwd_ms", r.bwd_ms},
+                {"total_ms", r.total_ms},
+                {"allgather_ms", r.gather_ms},
+                {"gbps", gbps(r)},
+                {"roofline_ms", roofline_ms(r, env)},
+                {"roofline_pct", roofline_pct(r, env)},
+                {"extra_mib", r.extra_bytes / (1 << 20)}};
+    row["wrong"] = s.check ? json(r.wrong) : json(nullptr);
+    rows.push_back(row);
+  }
+  j["results"] = rows;
+  j["wrong_total"] = s.check ? json(wrong) : json(nullptr);
+  return j;
+}
+
+}  // namespace
+
+void print_header(const Settings& s, const Env& env, int64_t width) {
+  std::printf("# xent_dist_bench %s: vocab-parallel cross-entropy, forward + backward\n",
+              XENT_BENCH_VERSION);
+  std::printf("# command: %s\n", s.command.c_str());
+  std::printf("# %d rank(s), one vocabulary shard each; backend %s\n", env.ranks, s.device.c_str());
+  std::printf("# model %s%s%s: vocab %" PRId64 " padded to %" PRId64 " (pad-to %" PRId64
+              "), %" PRId64 " columns per rank, dtype %s\n",
+              s.model.c_str(), s.config.empty() ? "" : " from ", s.config.c_str(), s.vocab,
+              s.padded, s.pad_to, width, dtype_name(s.dtype));
+  std::printf(
+      "# reduction %s, label smoothing %g, z-loss %g, softcap %g, ignore fraction %g, grad_output "
+      "%g, "
+      "logits in [-%g, %g), seed %" PRIu64 "\n",
+      reduction_name(s.reduction), s.label_smoothing, s.z_loss, s.softcap, s.ignore_fraction,
+      s.grad_output, s.logit_range, s.logit_range / 2, s.seed);
+  std::printf("# timing: %d iteration(s) after %d warm-up, %s%s; check: %s\n", s.iters, s.warmup,
+              s.device == "cuda" ? "CUDA events on one stream" : "MPI_Wtime",
+              s.graph  ? ", replayed from CUDA graphs"
+              : s.idle ? ", each step from an idle device, ranks starting together (median)"
+                       : "",
+              s.check ? "on (fp64 reference)" : "off (#wrong N/A; -c to verify)");
+  std::printf("# MPI: %s\n", env.mpi.c_str());
+  std::printf("# CUDA runtime %s, driver %s; NCCL %s\n", env.cuda_runtime.c_str(),
+              env.cuda_driver.c_str(), env.nccl.c_str());
+  for (const std::string& l : env.rank_lines) std::printf("%s\n", l.c_str());
+  std::printf("# copy bandwidth %.1f GB/s (%s, slowest rank)\n", env.copy_bw / 1e9,
+              env.copy_how.c_str());
+  std::printf(
+      "# roofline: the logits read twice and the gradient written once at that bandwidth\n");
+  std::printf("#\n");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s\n", "", "", "", "forward", "backward",
+              "total", "all-gather", "", "", "extra");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s %7s\n", "tokens", "vocab/rank", "mode",
+              "ms", "ms", "ms", "ms", "GB/s", "%roof", "MiB", "#wrong");
+  std::fflush(stdout);
+}
+
+void print_row(const Settings& s, const Env& env, const Result& r) {
+  char wrong[32];
+  if (s.check)
+    std::snprintf(wrong, sizeof wrong, "%" PRId64, r.wrong);
+  else
+    std::snprintf(wrong, sizeof wrong, "N/A");
+  std::printf("%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %9.2f %7s\n",
+              r.tokens, r.width, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms,
+              gbps(r), roofline_pct(r, env), r.extra_bytes / (1 << 20), wrong);
+  std::fflush(stdout);
+}
+
+int print_summary(const Settings& s, const Env& env, const std::vector<Result>& results,
+                  int64_t wrong) {
+  std::string means;
+  for (const std::string& mode : s.modes) {
+    double sum = 0.0;
+    int count = 0;
+    for (const Result& r : results) {
+      if (r.mode != mode) continue;
+      sum += roofline_pct(r, env);
+      ++count;
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f (%s)", count ? sum / count : 0.0, mode.c_str());
+    means += (means.empty() ? "" : ", ") + std::string(buf);
+  }
+  std::printf("# mean %% of the 3-pass roofline: %s\n", means.c_str());
+  if (s.check)
+    std::printf("# #wrong in all: %" PRId64 " (%s)\n", wrong, wrong ? "FAILED" : "OK");
+  else
+    std::printf("# #wrong: not checked (-c to verify)\n");
+  int status = 0;
+  if (!s.json.empty()) {
+    std::ofstream f(s.json, std::ios::trunc);
+    f << to_json(s, env, results, wrong).dump(2) << "\n";
+    if (!f) {
+      std::fprintf(stderr, "xent_dist_bench: --json = '%s': could not write the file\n",
+                   s.json.c_str());
+      status = 1;
+    } else {
+      std::printf("# results written to %s\n", s.json.c_str());
+    }
+  }
+  std::fflush(stdout);
+  return status;
+}
+
+}  // namespace xb
