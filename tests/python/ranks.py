@@ -85,3 +85,19 @@ def assert_close(got, want, rtol, what):
     scale = max(w.abs().max().item(), 1e-30)
     err = (g - w).abs().max().item()
     assert err <= rtol * scale, f"{what}: max |error| {err:.3e} > {rtol:g} * {scale:.3e}"
+
+
+def join_group(backend, rank, init, world):
+    """A worker's torch.distributed set-up: NCCL with this rank's GPU current, or Gloo on the
+    CPU. Returns the device its tensors live on."""
+    import torch
+    import torch.distributed as dist
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                                device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    return device

@@ -169,14 +169,7 @@ class Rank:
         self.parallel_state = parallel_state
         self.rank = rank
         self.lo, self.hi = rank * WIDTH, (rank + 1) * WIDTH
-        if backend == "nccl":
-            self.device = torch.device("cuda", rank)
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD,
-                                    device_id=self.device)
-        else:
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+        self.device = ranks.join_group(backend, rank, init, WORLD)
         # Megatron's own set-up; its groups get the default backend (Gloo on CPU works).
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

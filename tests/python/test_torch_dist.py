@@ -114,14 +114,7 @@ class Rank:
         self.dist = dist
         self.rank = rank
         self.lo, self.hi = shard_bounds(rank)
-        if backend == "nccl":
-            self.device = torch.device("cuda", rank)
-            torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", init_method=init, rank=rank, world_size=WORLD,
-                                    device_id=self.device)
-        else:
-            self.device = torch.device("cpu")
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+        self.device = ranks.join_group(backend, rank, init, WORLD)
         self.group = dist.group.WORLD
         self.path = pathlib.Path(out_dir) / f"rank{rank}.json"
         self.results = {}
