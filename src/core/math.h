@@ -68,23 +68,9 @@ XENT_HD float cap_r(float x, const CapScales& k) {
   return rcp_f(1.0f + exp2_f(x * k.in));
 }
 
-// z = c * tanh(x / c) when a softcap c > 0 is given, else z = x.
-XENT_HD float softcap(float x, float cap) {
-  if (!(cap > 0.0f)) return x;
-  const CapScales k(cap);
-  return k.c - 2.0f * k.c * cap_r(x, k);
-}
-
 // With a softcap, z < c: exp(z - c) needs no running max, and lse = c + log(sum of them), while
 // e^(-2c), the smallest term, is a normal float. Caps above this take the general path.
 constexpr float kFixedMaxCap = 40.0f;
-
-// dz/dx of the softcap, from z itself: 1 - tanh^2 = 1 - (z / c)^2.
-XENT_HD float softcap_slope(float z, float cap) {
-  if (cap <= 0.0f) return 1.0f;
-  const float t = z * (1.0f / cap);
-  return 1.0f - t * t;
-}
 
 // exp(from - to) for rescaling a running sum from max `from` to max `to >= from`; 0 when the sum
 // was empty (from = -inf), which also avoids -inf - -inf = NaN.
@@ -175,6 +161,11 @@ XENT_HD CappedLogit cap_logit(float x, const CapScales& k) {
   if (!(k.c > 0.0f)) return {x, 1.0f};
   const float r = cap_r(x, k);
   return {k.c - 2.0f * k.c * r, 4.0f * r * (1.0f - r)};
+}
+
+// z = c * tanh(x / c) with a softcap (k.c > 0), else z = x.
+XENT_HD float softcap(float x, const CapScales& k) {
+  return cap_logit(x, k).z;
 }
 
 // Gradient w.r.t. the raw logit x of a real (non-padding) column, from its softcapped logit z

@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
     if constexpr (kVariant == Variant::capped) {
       capped_sum += capped_exp<true>(E::load(v), k);
     } else {
-      const float z = core::softcap(E::load(v), cap);
+      const float z = core::softcap(E::load(v), k);
       lse_of(acc).add(z);
       if constexpr (kGeneral) {
         if (want_sum) acc.sum += z;
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
 #pragma unroll
         for (int e = 0; e < kN; ++e) {
           const bool ok = u < c.valid;
-          const float ze = core::softcap(E::load(c.v[u].e[e]), cap);
+          const float ze = core::softcap(E::load(c.v[u].e[e]), k);
           z[u][e] = ok ? ze : core::kNegInf;
           if (ok && want_sum) acc.sum += ze;
           if (ok && want_max) acc.best.add(ze, p.vocab_start + c.col(u, e));
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
     } else {
       st.lse = acc;
     }
-    if (local >= 0) st.target_z = core::softcap(E::load(xt), cap);
+    if (local >= 0) st.target_z = core::softcap(E::load(xt), k);
     core::write_record(st, p.layout, record, p.rows, row);
     if (target != p.ignore_index && !core::target_in_range(target, p.vocab_size) &&
         error != nullptr)
