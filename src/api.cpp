@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "backend.h"
-#include "comm/comm.h"
 #include "core/dtype.h"
 #include "device_scope.h"
+#include "error.h"
 #include "layout.h"
 
 namespace xent {
@@ -54,11 +54,11 @@ void check_placement(const Group& group, const Options& opt, const void* ptr, co
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
     cudaGetLastError();
-    core::fail(std::string(name) + " is not a CUDA pointer, but the group's backend is cuda");
+    fail(std::string(name) + " is not a CUDA pointer, but the group's backend is cuda");
   }
   if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-    core::fail(std::string(name) + " is host memory, but the group's backend is cuda: pass " +
-               "device memory (or use a CPU group)");
+    fail(std::string(name) + " is host memory, but the group's backend is cuda: pass " +
+         "device memory (or use a CPU group)");
 }
 
 // XENT_CHECK_RANKS=1: the CUDA backend also exchanges and compares every call's header across
@@ -93,8 +93,8 @@ void check_forward_outputs(const core::Problem& p, const Options& opt, LogitsVie
   core::check_outputs(p, opt, out);
   if (out.grad.data != nullptr) {
     if (opt.grad_mode != GradMode::fused)
-      core::fail(std::string("outputs.grad is set with grad_mode = ") + to_string(opt.grad_mode) +
-                 ": forward writes a gradient only with grad_mode = fused");
+      fail(std::string("outputs.grad is set with grad_mode = ") + to_string(opt.grad_mode) +
+           ": forward writes a gradient only with grad_mode = fused");
     core::check_grad(p, logits, out.grad);
   }
 }
@@ -145,8 +145,8 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
     const size_t tbytes = static_cast<size_t>(p.rows) * (targets.type == IndexType::i32 ? 4 : 8);
     std::vector<char> host(tbytes);
     if (tbytes > 0)
-      comm::check_cuda(cudaMemcpy(host.data(), targets.data, tbytes, cudaMemcpyDeviceToHost),
-                       "cudaMemcpy (XENT_CHECK_RANKS targets)");
+      check_cuda(cudaMemcpy(host.data(), targets.data, tbytes, cudaMemcpyDeviceToHost),
+                 "cudaMemcpy (XENT_CHECK_RANKS targets)");
     const TargetsView on_host{host.data(), targets.type, targets.rows};
     h.targets_hash = core::hash_targets(p, on_host);
     h.bad_row = first_bad_target(p, on_host, &h.bad_target);
@@ -157,9 +157,9 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   if (p.rows == 0) {  // nothing to gather (every rank has no rows); the reductions are 0
     const Outputs out = take_outputs();
     if (p.reduction != Reduction::none)
-      comm::check_cuda(cudaMemsetAsync(out.loss, 0, sizeof(float), stream), "cudaMemsetAsync");
+      check_cuda(cudaMemsetAsync(out.loss, 0, sizeof(float), stream), "cudaMemsetAsync");
     if (out.accuracy)
-      comm::check_cuda(cudaMemsetAsync(out.accuracy, 0, sizeof(float), stream), "cudaMemsetAsync");
+      check_cuda(cudaMemsetAsync(out.accuracy, 0, sizeof(float), stream), "cudaMemsetAsync");
     return;
   }
   check_placement(group, opt, logits.data, "logits.data");
@@ -197,15 +197,14 @@ void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsVie
               const float* lse, const float* grad_output, const Options& opt, cudaStream_t stream) {
   const core::Problem p = core::make_problem(logits, targets, opt);
   if (opt.grad_mode == GradMode::none)
-    core::fail("backward with grad_mode = none: forward computed no gradient");
+    fail("backward with grad_mode = none: forward computed no gradient");
   if (opt.grad_mode != GradMode::deferred)
-    core::fail(std::string("backward(logits, grad, ...) with grad_mode = ") +
-               to_string(opt.grad_mode) +
-               ": the out-of-place backward needs grad_mode = deferred (a fused forward already "
-               "wrote the gradient over the logits; use backward(logits, ...) for it)");
+    fail(std::string("backward(logits, grad, ...) with grad_mode = ") + to_string(opt.grad_mode) +
+         ": the out-of-place backward needs grad_mode = deferred (a fused forward already "
+         "wrote the gradient over the logits; use backward(logits, ...) for it)");
   core::check_grad(p, logits, grad);
   if (lse == nullptr && p.rows > 0)
-    core::fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
+    fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
   const DeviceScope on_device(group);
   Workspace& ws = group.workspace();
   ws.prepare(p.rows, p.layout.fields, group.size(), stream);

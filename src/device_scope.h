@@ -1,7 +1,7 @@
 // DeviceScope: the group's device, current for one call (src/group.cpp, api.cpp, layout.cpp).
 #pragma once
 
-#include "comm/comm.h"
+#include "error.h"
 #include "xent/xent.h"
 
 namespace xent {
@@ -12,9 +12,9 @@ class DeviceScope {
  public:
   explicit DeviceScope(const Group& group) {
     if (group.backend() != Backend::cuda || group.device() < 0) return;
-    comm::check_cuda(cudaGetDevice(&saved_), "cudaGetDevice");
+    check_cuda(cudaGetDevice(&saved_), "cudaGetDevice");
     if (saved_ == group.device()) return;
-    comm::check_cuda(cudaSetDevice(group.device()), "cudaSetDevice (the group's device)");
+    check_cuda(cudaSetDevice(group.device()), "cudaSetDevice (the group's device)");
     switched_ = true;
   }
   ~DeviceScope() {

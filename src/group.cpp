@@ -6,6 +6,7 @@
 #include "backend.h"
 #include "comm/comm.h"
 #include "device_scope.h"
+#include "error.h"
 
 namespace xent {
 
@@ -29,11 +30,11 @@ Group make_group(std::shared_ptr<Communicator> comm) {
 Group Group::local(Backend backend, int device) {
   if (backend == Backend::cuda) {
     const int count = cuda::device_count();
-    if (count == 0) core::fail("Group::local(cuda): no CUDA device is visible");
-    if (device < 0) comm::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    if (count == 0) fail("Group::local(cuda): no CUDA device is visible");
+    if (device < 0) check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     if (device >= count)
-      core::fail("Group::local(cuda, device = " + std::to_string(device) + "): only " +
-                 std::to_string(count) + " CUDA device(s) are visible");
+      fail("Group::local(cuda, device = " + std::to_string(device) + "): only " +
+           std::to_string(count) + " CUDA device(s) are visible");
   }
   return make_group(comm::make_local(backend, device));
 }
@@ -44,7 +45,7 @@ Group Group::own(ncclComm_t comm, int device) {
   return make_group(comm::make_nccl(comm, device, /*owned=*/true));
 }
 Group Group::custom(std::shared_ptr<Communicator> comm) {
-  if (!comm) core::fail("Group::custom(comm = null): needs a communicator");
+  if (!comm) fail("Group::custom(comm = null): needs a communicator");
   return make_group(std::move(comm));
 }
 
@@ -68,15 +69,15 @@ Workspace& Group::workspace() const {
 }
 
 void Group::reserve(int64_t rows, const Options& opt) const {
-  if (rows < 0) core::fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
+  if (rows < 0) fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
   const DeviceScope on_device(*this);
   const int fields = static_cast<int>(record_bytes(opt) / sizeof(float));
   if (backend() == Backend::cuda &&
       Workspace::bytes_needed(rows, fields, size()) > impl_->ws.capacity) {
     // Setup time, no stream given: the old buffer may be in use on any stream.
-    comm::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (Group::reserve)");
+    check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (Group::reserve)");
     impl_->ws.prepare(rows, fields, size(), nullptr);
-    comm::check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (Group::reserve)");
+    check_cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (Group::reserve)");
     return;
   }
   impl_->ws.prepare(rows, fields, size(), nullptr);
@@ -91,15 +92,14 @@ void Group::check_errors(cudaStream_t stream) const {
   if (backend() == Backend::cpu || ws.error == nullptr) return;
   const DeviceScope on_device(*this);
   int64_t bad[2];
-  comm::check_cuda(cudaMemcpyAsync(bad, ws.error, sizeof bad, cudaMemcpyDeviceToHost, stream),
-                   "cudaMemcpyAsync (check_errors)");
-  comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_errors)");
+  check_cuda(cudaMemcpyAsync(bad, ws.error, sizeof bad, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync (check_errors)");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (check_errors)");
   if (bad[0] < 0) return;
   // On the stream, so that the next call's kernels see the slot reset.
-  comm::check_cuda(cudaMemsetAsync(ws.error, 0xff, sizeof bad, stream),
-                   "cudaMemsetAsync (check_errors)");
-  core::fail("targets[" + std::to_string(bad[0]) + "] = " + std::to_string(bad[1]) +
-             ": must be in [0, vocab_size) or equal ignore_index (that row's loss is NaN)");
+  check_cuda(cudaMemsetAsync(ws.error, 0xff, sizeof bad, stream), "cudaMemsetAsync (check_errors)");
+  fail("targets[" + std::to_string(bad[0]) + "] = " + std::to_string(bad[1]) +
+       ": must be in [0, vocab_size) or equal ignore_index (that row's loss is NaN)");
 }
 
 }  // namespace xent

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "device_scope.h"
+#include "error.h"
 
 namespace xent {
 
@@ -22,12 +23,12 @@ void gather_on_host(const Group& group, const void* mine, void* all, size_t byte
   const DeviceScope on_device(group);
   void* dev = nullptr;
   const size_t total = bytes * c.size();
-  comm::check_cuda(cudaMalloc(&dev, bytes + total), "cudaMalloc (layout check)");
+  check_cuda(cudaMalloc(&dev, bytes + total), "cudaMalloc (layout check)");
   char* d = static_cast<char*>(dev);
   try {
-    comm::check_cuda(cudaMemcpy(d, mine, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    check_cuda(cudaMemcpy(d, mine, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
     c.all_gather(d, d + bytes, bytes, nullptr);
-    comm::check_cuda(cudaMemcpy(all, d + bytes, total, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    check_cuda(cudaMemcpy(all, d + bytes, total, cudaMemcpyDeviceToHost), "cudaMemcpy");
   } catch (...) {
     cudaFree(dev);
     throw;
@@ -44,7 +45,7 @@ void exchange_and_check(const Group& group, const core::LayoutHeader& mine, bool
 }
 
 Shard plan_shard(const Group& group, int64_t width, int64_t vocab_size) {
-  if (width < 1) core::fail("plan_shard(width = " + std::to_string(width) + "): must be >= 1");
+  if (width < 1) fail("plan_shard(width = " + std::to_string(width) + "): must be >= 1");
   std::vector<int64_t> widths(group.size());
   gather_on_host(group, &width, widths.data(), sizeof width);
   Shard s;
@@ -56,9 +57,8 @@ Shard plan_shard(const Group& group, int64_t width, int64_t vocab_size) {
   s.width = width;
   s.vocab_size = vocab_size < 0 ? total : vocab_size;
   if (s.vocab_size < 1 || s.vocab_size > total)
-    core::fail("plan_shard(vocab_size = " + std::to_string(vocab_size) + "): must be in [1, " +
-               std::to_string(total) +
-               "], the sum of the ranks' widths (columns past it are padding)");
+    fail("plan_shard(vocab_size = " + std::to_string(vocab_size) + "): must be in [1, " +
+         std::to_string(total) + "], the sum of the ranks' widths (columns past it are padding)");
   return s;
 }
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "backend.h"
-#include "comm/comm.h"
+#include "error.h"
 
 namespace xent {
 
@@ -64,35 +64,34 @@ void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream
     if (backend == Backend::cpu) {
       std::free(base);
       base = std::aligned_alloc(kAlign, aligned(need));
-      if (base == nullptr)
-        core::fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
+      if (base == nullptr) fail("cannot allocate " + std::to_string(need) + " bytes of workspace");
       // error slot: -1, no bad target seen
       std::memset(static_cast<char*>(base) + layout(rows, fields, ranks).error, 0xff,
                   2 * sizeof(int64_t));
     } else {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      comm::check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+      check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
       if (capture != cudaStreamCaptureStatusNone)
-        core::fail("the group's workspace must grow from " + std::to_string(capacity) + " to " +
-                   std::to_string(need) + " bytes (" + std::to_string(rows) +
-                   " rows) while the stream is being captured into a CUDA graph, where memory "
-                   "cannot be allocated: call Group::reserve(rows, options) with the largest rows "
-                   "before capturing");
+        fail("the group's workspace must grow from " + std::to_string(capacity) + " to " +
+             std::to_string(need) + " bytes (" + std::to_string(rows) +
+             " rows) while the stream is being captured into a CUDA graph, where memory "
+             "cannot be allocated: call Group::reserve(rows, options) with the largest rows "
+             "before capturing");
       if (base != nullptr) {  // kernels queued on the stream may still use it
-        comm::check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (workspace growth)");
-        comm::check_cuda(cudaFree(base), "cudaFree (workspace)");
+        check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (workspace growth)");
+        check_cuda(cudaFree(base), "cudaFree (workspace)");
         base = nullptr;
         capacity = 0;
       }
-      comm::check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
+      check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
       // On the stream: ordered before the kernels that read them, whatever the stream's kind.
       const Layout l = layout(rows, fields, ranks);
-      comm::check_cuda(
+      check_cuda(
           cudaMemsetAsync(static_cast<char*>(base) + l.error, 0xff, 2 * sizeof(int64_t), stream),
           "cudaMemsetAsync (error slot)");
-      comm::check_cuda(cudaMemsetAsync(static_cast<char*>(base) + l.partials, 0,
-                                       sizeof(unsigned long long), stream),
-                       "cudaMemsetAsync (finalize block counter)");
+      check_cuda(cudaMemsetAsync(static_cast<char*>(base) + l.partials, 0,
+                                 sizeof(unsigned long long), stream),
+                 "cudaMemsetAsync (finalize block counter)");
     }
     capacity = need;
   }

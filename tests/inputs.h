@@ -25,7 +25,10 @@ std::string error_of(F&& f) {
   try {
     f();
   } catch (const xent::Error& e) {
-    return e.what();
+    const std::string message = e.what();
+    // Every error comes out of src/error.h's one module, with its prefix.
+    EXPECT_EQ(message.rfind("xent: ", 0), 0u) << "message lacks the \"xent: \" prefix: " << message;
+    return message;
   } catch (const std::exception& e) {
     ADD_FAILURE() << "threw a " << typeid(e).name() << " that is not xent::Error: " << e.what();
     return "";

@@ -13,8 +13,4 @@ std::shared_ptr<Communicator> make_local(Backend backend, int device);
 // owned: ncclCommDestroy when the communicator goes.
 std::shared_ptr<Communicator> make_nccl(ncclComm_t comm, int device, bool owned);
 
-// Throw xent::Error naming the CUDA or NCCL call that failed.
-void check_cuda(cudaError_t status, const char* what);
-void check_nccl(ncclResult_t status, const char* what);
-
 }  // namespace xent::comm

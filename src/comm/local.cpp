@@ -1,6 +1,7 @@
 #include <cstring>
 
 #include "comm/comm.h"
+#include "error.h"
 
 namespace xent::comm {
 namespace {
@@ -28,11 +29,6 @@ class Local final : public Communicator {
 };
 
 }  // namespace
-
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(std::string("xent: ") + what + " failed: " + cudaGetErrorString(status));
-}
 
 std::shared_ptr<Communicator> make_local(Backend backend, int device) {
   return std::make_shared<Local>(backend, device);

@@ -3,13 +3,9 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "error.h"
 
 namespace xent::comm {
-
-void check_nccl(ncclResult_t rc, const char* what) {
-  if (rc != ncclSuccess)
-    throw Error(std::string("xent: ") + what + " failed: " + ncclGetErrorString(rc));
-}
 
 namespace {
 
@@ -43,8 +39,8 @@ class Nccl final : public Communicator {
 
 std::shared_ptr<Communicator> make_nccl(ncclComm_t comm, int device, bool owned) {
   if (comm == nullptr)
-    throw Error(std::string("xent: Group::") + (owned ? "own" : "adopt") +
-                "(comm = null): needs an initialised ncclComm_t");
+    fail(std::string("Group::") + (owned ? "own" : "adopt") +
+         "(comm = null): needs an initialised ncclComm_t");
   return std::make_shared<Nccl>(comm, device, owned);
 }
 

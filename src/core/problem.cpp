@@ -5,12 +5,9 @@
 #include <utility>
 
 #include "core/dtype.h"
+#include "error.h"
 
 namespace xent::core {
-
-void fail(const std::string& message) {
-  throw Error("xent: " + message);
-}
 
 namespace {
 

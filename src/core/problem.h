@@ -50,6 +50,4 @@ int64_t hash_targets(const Problem& p, TargetsView targets);
 // Checks the gathered headers of all ranks; every rank reaches the same verdict.
 void check_headers(const LayoutHeader* all, int ranks, bool check_tiling);
 
-[[noreturn]] void fail(const std::string& message);
-
 }  // namespace xent::core

@@ -7,27 +7,23 @@
 
 #include "backend.h"
 #include "cuda/launch.cuh"
+#include "error.h"
 
 namespace xent::cuda {
 namespace detail {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw Error(std::string("xent: CUDA call ") + what + " failed: " + cudaGetErrorString(e));
-}
-
 DeviceInfo device_info() {
   static std::array<std::atomic<int>, 1024> cache{};  // sms * 2 + pdl, 0 = not read yet
   int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
   const bool cached = dev >= 0 && dev < static_cast<int>(cache.size());
   int v = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
   if (v == 0) {  // devices past the cache are read on every call, never another's
     int sms = 0, major = 0;
-    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-          "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
-    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-          "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+               "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+               "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
     v = sms * 2 + (major >= 9 ? 1 : 0);
     if (cached) cache[dev].store(v, std::memory_order_relaxed);
   }
@@ -36,16 +32,16 @@ DeviceInfo device_info() {
 
 void launch_failed(const char* name, cudaError_t e) {
   cudaGetLastError();
-  throw Error(std::string("xent: launch of ") + name + " failed: " + cudaGetErrorString(e));
+  fail(std::string("launch of ") + name + " failed: " + cudaGetErrorString(e));
 }
 
 void check_shape(const core::Problem& p, LogitsView logits, const char* name) {
   if (p.cols > INT_MAX - 64)
-    throw Error(std::string("xent: ") + name + ".cols = " + std::to_string(p.cols) +
-                ": the CUDA backend takes at most 2^31 - 65 columns per shard");
+    fail(std::string(name) + ".cols = " + std::to_string(p.cols) +
+         ": the CUDA backend takes at most 2^31 - 65 columns per shard");
   if (reinterpret_cast<uintptr_t>(logits.data) % dtype_size(logits.dtype) != 0)
-    throw Error(std::string("xent: ") + name + ".data is not aligned to its element size (" +
-                to_string(logits.dtype) + ")");
+    fail(std::string(name) + ".data is not aligned to its element size (" +
+         to_string(logits.dtype) + ")");
 }
 
 }  // namespace detail

@@ -1,4 +1,4 @@
-// How the CUDA backend launches: the CUDA error check, the device's properties (read once per
+// How the CUDA backend launches: the device's properties (read once per
 // device), the launch itself (programmatic dependent launch where the problem asks for it and the
 // device takes it), and the runtime-to-template dispatch that picks a kernel instantiation.
 #pragma once
@@ -13,9 +13,6 @@
 #include "xent/xent.h"
 
 namespace xent::cuda::detail {
-
-// Throws xent::Error naming the CUDA call when e is an error.
-void check(cudaError_t e, const char* what);
 
 // What the launches need of the current device: its multiprocessors, and whether it takes
 // programmatic dependent launch (compute capability 9.0 and newer).

@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "core/math.h"
+#include "error.h"
 #include "xent/xent.h"
 
 namespace xent::cuda::detail {
@@ -85,7 +86,7 @@ unsigned row_blocks(int64_t rows) {
   constexpr int64_t per_block = kBlock / kGroup;
   const int64_t blocks = (rows + per_block - 1) / per_block;
   if (blocks > INT_MAX)
-    throw Error("xent: logits.rows = " + std::to_string(rows) + " is too many rows for one launch");
+    fail("logits.rows = " + std::to_string(rows) + " is too many rows for one launch");
   return static_cast<unsigned>(blocks);
 }
 

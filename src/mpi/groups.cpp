@@ -4,7 +4,7 @@
 #include <memory>
 #include <string>
 
-#include "comm/comm.h"  // check_cuda, check_nccl
+#include "error.h"
 #include "xent/mpi.h"
 
 namespace xent::mpi {
@@ -13,11 +13,8 @@ namespace {
 void require_init(const char* who) {
   int initialized = 0;
   MPI_Initialized(&initialized);
-  if (!initialized) throw Error(std::string("xent: ") + who + " needs MPI_Init to be called first");
+  if (!initialized) fail(std::string(who) + " needs MPI_Init to be called first");
 }
-
-using comm::check_cuda;
-using comm::check_nccl;
 
 // The CPU backend's exchange: host buffers, MPI_Allgather (blocking; the stream is unused).
 class Mpi final : public Communicator {
@@ -31,12 +28,11 @@ class Mpi final : public Communicator {
   Backend backend() const override { return Backend::cpu; }
   void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t) override {
     if (bytes > static_cast<size_t>(INT_MAX))
-      throw Error("xent: all_gather of " + std::to_string(bytes) +
-                  " bytes per rank: MPI counts must stay below 2^31 bytes");
+      fail("all_gather of " + std::to_string(bytes) +
+           " bytes per rank: MPI counts must stay below 2^31 bytes");
     const int n = static_cast<int>(bytes);
     const int rc = MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_);
-    if (rc != MPI_SUCCESS)
-      throw Error("xent: MPI_Allgather failed with code " + std::to_string(rc));
+    if (rc != MPI_SUCCESS) fail("MPI_Allgather failed with code " + std::to_string(rc));
   }
 
  private:

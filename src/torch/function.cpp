@@ -1,7 +1,8 @@
 // vocab_parallel_cross_entropy on torch tensors: input checks, leading dimensions flattened, and
-// the autograd function. The function's forward and backward call the internal operators
-// (ops.cpp) through the dispatcher and keep no state but their arguments, so that torch.compile
-// traces it into a graph of those operators (docs/torch.md).
+// the hand-written autograd node (VocabParallelCrossEntropyBackward). The forward and the node's
+// backward call the internal operators (ops.cpp) through the dispatcher and keep no state but
+// their arguments, so that torch.compile traces them into a graph of those operators
+// (docs/torch.md).
 //
 // Gradient placement: inplace_grad writes it over the logits (fused: in forward; deferred: in
 // backward); otherwise fused writes it into a new tensor in forward (all GPU work is queued by
@@ -123,33 +124,33 @@ using ::torch::autograd::SavedVariable;
 using ::torch::autograd::variable_list;
 
 void check_inputs(const at::Tensor& logits, const at::Tensor& target) {
-  TORCH_CHECK(logits.defined(), "xent: logits is an undefined tensor");
-  TORCH_CHECK(target.defined(), "xent: target is an undefined tensor");
-  TORCH_CHECK(logits.dim() >= 1,
-              "xent: logits must have a last (vocabulary shard) dimension, got a 0-D tensor");
+  XENT_CHECK(logits.defined(), "logits is an undefined tensor");
+  XENT_CHECK(target.defined(), "target is an undefined tensor");
+  XENT_CHECK(logits.dim() >= 1,
+             "logits must have a last (vocabulary shard) dimension, got a 0-D tensor");
   const at::ScalarType dt = logits.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
-              "xent: logits must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(logits.device().is_cpu() || logits.device().is_cuda(),
-              "xent: logits must be on a CPU or CUDA device, got ", logits.device());
-  TORCH_CHECK(logits.layout() == at::kStrided,
-              "xent: logits must be a dense (strided) tensor, got ", logits.layout());
+  XENT_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+             "logits must be float32, bfloat16 or float16, got ", dt);
+  XENT_CHECK(logits.device().is_cpu() || logits.device().is_cuda(),
+             "logits must be on a CPU or CUDA device, got ", logits.device());
+  XENT_CHECK(logits.layout() == at::kStrided, "logits must be a dense (strided) tensor, got ",
+             logits.layout());
   const int64_t cols = logits.size(-1);
-  TORCH_CHECK(cols >= 1,
-              "xent: logits must have at least one column (this rank's vocabulary shard), got "
-              "shape ",
-              logits.sizes());
-  TORCH_CHECK(cols == 1 || logits.stride(-1) == 1,
-              "xent: logits must be contiguous in the last (vocabulary) dimension, got strides ",
-              logits.strides(), " for shape ", logits.sizes(), " (call .contiguous())");
-  TORCH_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-              "xent: target must hold int64 or int32 class indices, got ", target.scalar_type());
-  TORCH_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1),
-              "xent: target has shape ", target.sizes(), " but logits have shape ", logits.sizes(),
-              ": target must have the logits' shape without the last dimension (",
-              logits.sizes().slice(0, logits.dim() - 1), "), one class index per row");
-  TORCH_CHECK(target.device() == logits.device(), "xent: target is on ", target.device(),
-              " but logits are on ", logits.device(), ": both must be on the same device");
+  XENT_CHECK(cols >= 1,
+             "logits must have at least one column (this rank's vocabulary shard), got "
+             "shape ",
+             logits.sizes());
+  XENT_CHECK(cols == 1 || logits.stride(-1) == 1,
+             "logits must be contiguous in the last (vocabulary) dimension, got strides ",
+             logits.strides(), " for shape ", logits.sizes(), " (call .contiguous())");
+  XENT_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+             "target must hold int64 or int32 class indices, got ", target.scalar_type());
+  XENT_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1), "target has shape ",
+             target.sizes(), " but logits have shape ", logits.sizes(),
+             ": target must have the logits' shape without the last dimension (",
+             logits.sizes().slice(0, logits.dim() - 1), "), one class index per row");
+  XENT_CHECK(target.device() == logits.device(), "target is on ", target.device(),
+             " but logits are on ", logits.device(), ": both must be on the same device");
 }
 
 // [..., cols] as [rows, cols]: a view where the leading dimensions collapse into one row stride
@@ -188,12 +189,12 @@ struct VocabParallelCrossEntropyBackward final : Node {
 
   variable_list apply(variable_list&& grads) override {
     const std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!consumed,
-                "xent: backward through vocab_parallel_cross_entropy a second time, but the "
-                "first one finished the gradient in place (grad_mode = ",
-                fused ? "fused" : "deferred", ", inplace_grad = ", inplace,
-                "); to backward more than once use grad_mode = \"deferred\" with inplace_grad = "
-                "false");
+    XENT_CHECK(!consumed,
+               "backward through vocab_parallel_cross_entropy a second time, but the "
+               "first one finished the gradient in place (grad_mode = ",
+               fused ? "fused" : "deferred", ", inplace_grad = ", inplace,
+               "); to backward more than once use grad_mode = \"deferred\" with inplace_grad = "
+               "false");
     // No gradient reached the loss (it was not used): the logits' gradient is zero.
     if (!grads[0].defined()) return {at::Tensor()};
     // Unpacking checks the versions: a later in-place change to a saved tensor fails here.
@@ -240,13 +241,13 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
   const bool autograd = o.grad_mode != GradMode::none && logits.requires_grad() &&
                         ::torch::autograd::GradMode::is_enabled();
   if (autograd && o.inplace_grad) {
-    TORCH_CHECK(!logits_in.is_leaf(),
-                "xent: inplace_grad = true but the logits are a leaf tensor that requires grad: "
-                "their storage cannot hold their own gradient (use inplace_grad = false, or pass "
-                "the output of the layer that made them)");
-    TORCH_CHECK(!(logits_in.is_view() && logits_in._base().is_leaf()),
-                "xent: inplace_grad = true but the logits are a view of a leaf tensor that "
-                "requires grad: their storage cannot hold the gradient (use inplace_grad = false)");
+    XENT_CHECK(!logits_in.is_leaf(),
+               "inplace_grad = true but the logits are a leaf tensor that requires grad: "
+               "their storage cannot hold their own gradient (use inplace_grad = false, or pass "
+               "the output of the layer that made them)");
+    XENT_CHECK(!(logits_in.is_view() && logits_in._base().is_leaf()),
+               "inplace_grad = true but the logits are a view of a leaf tensor that "
+               "requires grad: their storage cannot hold the gradient (use inplace_grad = false)");
   }
   // lse and z_loss as outputs of their own only where asked (the fused loss needs neither).
   const bool with_stats = o.return_lse || o.return_z_loss;

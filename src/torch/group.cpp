@@ -84,33 +84,33 @@ bool has_backend_for(const c10d::ProcessGroup& pg, c10::DeviceType type) {
 }
 
 Group make_nccl(c10d::ProcessGroup& pg, c10::Device device) {
-  TORCH_CHECK(has_backend_for(pg, c10::DeviceType::CUDA), "xent: logits are on ", device, " but ",
-              describe(pg),
-              " has no backend for CUDA tensors: CUDA logits need an NCCL group "
-              "(backend \"nccl\" or \"cpu:gloo,cuda:nccl\")");
+  XENT_CHECK(has_backend_for(pg, c10::DeviceType::CUDA), "logits are on ", device, " but ",
+             describe(pg),
+             " has no backend for CUDA tensors: CUDA logits need an NCCL group "
+             "(backend \"nccl\" or \"cpu:gloo,cuda:nccl\")");
   c10::intrusive_ptr<c10d::Backend> backend = pg.getBackend(c10::DeviceType::CUDA);
   auto* nccl = dynamic_cast<c10d::ProcessGroupNCCL*>(backend.get());
-  TORCH_CHECK(nccl != nullptr || backend->getBackendName() != "nccl", "xent: the CUDA backend of ",
-              describe(pg),
-              " is an NCCL backend wrapped in another class (TORCH_DISTRIBUTED_DEBUG=DETAIL?), "
-              "whose communicator xent cannot reach: unset TORCH_DISTRIBUTED_DEBUG or set it to "
-              "INFO");
-  TORCH_CHECK(nccl != nullptr, "xent: logits are on ", device, " but the CUDA backend of ",
-              describe(pg), " is ", backend->getBackendName(),
-              ", not nccl: CUDA logits need an NCCL group (CPU logits work with any group)");
+  XENT_CHECK(nccl != nullptr || backend->getBackendName() != "nccl", "the CUDA backend of ",
+             describe(pg),
+             " is an NCCL backend wrapped in another class (TORCH_DISTRIBUTED_DEBUG=DETAIL?), "
+             "whose communicator xent cannot reach: unset TORCH_DISTRIBUTED_DEBUG or set it to "
+             "INFO");
+  XENT_CHECK(nccl != nullptr, "logits are on ", device, " but the CUDA backend of ", describe(pg),
+             " is ", backend->getBackendName(),
+             ", not nccl: CUDA logits need an NCCL group (CPU logits work with any group)");
   // A non-blocking communicator returns ncclInProgress from collectives, which xent's NCCL
   // communicator treats as an error: refuse it here, clearly.
   const std::optional<bool> nonblocking_env =
       c10::utils::check_env("TORCH_NCCL_USE_COMM_NONBLOCKING");
   const int blocking = nccl->getOptions()->config.blocking;
-  TORCH_CHECK(
+  XENT_CHECK(
       blocking != 0 && !(blocking == NCCL_CONFIG_UNDEF_INT && nonblocking_env.value_or(false)),
-      "xent: ", describe(pg),
+      describe(pg),
       " uses a non-blocking NCCL communicator (TORCH_NCCL_USE_COMM_NONBLOCKING=1 or "
       "config.blocking = 0), which xent does not support");
   const std::optional<at::Device> bound = pg.getBoundDeviceId();
-  TORCH_CHECK(!bound || bound->index() == device.index(), "xent: logits are on ", device, " but ",
-              describe(pg), " is bound to ", *bound, ": put the logits on the group's device");
+  XENT_CHECK(!bound || bound->index() == device.index(), "logits are on ", device, " but ",
+             describe(pg), " is bound to ", *bound, ": put the logits on the group's device");
   const c10::cuda::CUDAGuard guard(device);
   // getCommPtr looks up the communicator of the current device; ProcessGroupNCCL creates it on
   // its first collective there, so make it now if needed (collective: every rank gets here).
@@ -119,28 +119,26 @@ Group make_nccl(c10d::ProcessGroup& pg, c10::Device device) {
     nccl->eagerConnectSingleDevice(device);
     comm = nccl->getCommPtr();
   }
-  TORCH_CHECK(comm != 0, "xent: ", describe(pg), " has no NCCL communicator for ", device,
-              " even after connecting it");
+  XENT_CHECK(comm != 0, describe(pg), " has no NCCL communicator for ", device,
+             " even after connecting it");
   Group g = detail::core_call(
       [&] { return Group::adopt(reinterpret_cast<ncclComm_t>(comm), device.index()); });
-  TORCH_CHECK(g.size() == pg.getSize() && g.rank() == pg.getRank(),
-              "xent: the NCCL communicator of ", describe(pg), " has rank ", g.rank(), " of ",
-              g.size());
+  XENT_CHECK(g.size() == pg.getSize() && g.rank() == pg.getRank(), "the NCCL communicator of ",
+             describe(pg), " has rank ", g.rank(), " of ", g.size());
   return g;
 }
 
 Group make_host(c10d::ProcessGroup& pg) {
-  TORCH_CHECK(has_backend_for(pg, c10::DeviceType::CPU), "xent: logits are on cpu but ",
-              describe(pg),
-              " has no backend for CPU tensors: CPU logits need a group with one, e.g. gloo "
-              "(\"gloo\" or \"cpu:gloo,cuda:nccl\")");
+  XENT_CHECK(has_backend_for(pg, c10::DeviceType::CPU), "logits are on cpu but ", describe(pg),
+             " has no backend for CPU tensors: CPU logits need a group with one, e.g. gloo "
+             "(\"gloo\" or \"cpu:gloo,cuda:nccl\")");
   return Group::custom(std::make_shared<C10dHost>(&pg));
 }
 
 // The cache entry for (pg, device), created on first use. Caller holds the mutex.
 Entry& entry_for(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device) {
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
-              "xent: logits must be on a CPU or CUDA device, got ", device);
+  XENT_CHECK(device.is_cpu() || device.is_cuda(), "logits must be on a CPU or CUDA device, got ",
+             device);
   if (device.is_cuda() && !device.has_index())
     device = c10::Device(c10::kCUDA, c10::cuda::current_device());
   if (device.is_cpu()) device = c10::Device(c10::kCPU);
@@ -194,26 +192,26 @@ Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device dev
   opt.reduction = o.reduction;
   opt.grad_mode = o.grad_mode;
   opt.compute_accuracy = o.compute_accuracy;
-  TORCH_CHECK(o.vocab_start >= -1, "xent: vocab_start = ", o.vocab_start,
-              ": must be >= 0, or -1 to plan the layout from all ranks' widths");
-  TORCH_CHECK(o.vocab_size >= -1 && o.vocab_size != 0, "xent: vocab_size = ", o.vocab_size,
-              ": must be >= 1, or -1 for the sum of all ranks' widths");
+  XENT_CHECK(o.vocab_start >= -1, "vocab_start = ", o.vocab_start,
+             ": must be >= 0, or -1 to plan the layout from all ranks' widths");
+  XENT_CHECK(o.vocab_size >= -1 && o.vocab_size != 0, "vocab_size = ", o.vocab_size,
+             ": must be >= 1, or -1 for the sum of all ranks' widths");
 
   std::lock_guard<std::mutex> lock(cache_mutex());
   Entry& e = entry_for(group, device);
   if (o.vocab_start >= 0) {
-    TORCH_CHECK(o.vocab_size > 0 || e.group.size() == 1,
-                "xent: vocab_size = -1 with vocab_start = ", o.vocab_start, " on a group of ",
-                e.group.size(),
-                " ranks: pass the real vocabulary size too, or vocab_start = -1 to plan the "
-                "layout from all ranks' widths");
+    XENT_CHECK(o.vocab_size > 0 || e.group.size() == 1,
+               "vocab_size = -1 with vocab_start = ", o.vocab_start, " on a group of ",
+               e.group.size(),
+               " ranks: pass the real vocabulary size too, or vocab_start = -1 to plan the "
+               "layout from all ranks' widths");
     opt.vocab_start = o.vocab_start;
     opt.vocab_size = o.vocab_size;
     return {e.group, opt};
   }
   if (e.group.size() == 1) {  // nothing to plan: the only rank owns every column
-    TORCH_CHECK(o.vocab_size <= cols, "xent: vocab_size = ", o.vocab_size, ": must be in [1, ",
-                cols, "], the columns of the only rank (columns past it are padding)");
+    XENT_CHECK(o.vocab_size <= cols, "vocab_size = ", o.vocab_size, ": must be in [1, ", cols,
+               "], the columns of the only rank (columns past it are padding)");
     opt.vocab_start = 0;
     opt.vocab_size = o.vocab_size;
     return {e.group, opt};
@@ -271,15 +269,14 @@ Reduction parse_reduction(const std::string& name) {
   if (name == "mean") return Reduction::mean;
   if (name == "sum") return Reduction::sum;
   if (name == "none") return Reduction::none;
-  TORCH_CHECK(false, "xent: reduction = \"", name, "\": must be \"mean\", \"sum\" or \"none\"");
+  XENT_CHECK(false, "reduction = \"", name, "\": must be \"mean\", \"sum\" or \"none\"");
 }
 
 GradMode parse_grad_mode(const std::string& name) {
   if (name == "fused") return GradMode::fused;
   if (name == "deferred") return GradMode::deferred;
   if (name == "none") return GradMode::none;
-  TORCH_CHECK(false, "xent: grad_mode = \"", name,
-              "\": must be \"fused\", \"deferred\" or \"none\"");
+  XENT_CHECK(false, "grad_mode = \"", name, "\": must be \"fused\", \"deferred\" or \"none\"");
 }
 
 }  // namespace xent::torch

@@ -1,10 +1,11 @@
 // Shared by the adapter's sources: the core's errors as LibTorch errors, the arguments every
-// operator of torch.ops.xent takes, and the internal operators that the autograd function calls.
+// operator of torch.ops.xent takes, and the internal operators that the autograd node calls.
 //
 // The internal operators (torch.ops.xent._forward and friends, docs/torch.md) are functional
 // steps on 2-D logits [rows, cols] and 1-D targets [rows]; every piece of state they need is an
 // argument (the group by its c10d name, the options), so that torch.compile can trace the
-// autograd function into a graph of them. Their fake kernels live in python/xent/_fake.py.
+// forward and the autograd node into a graph of them. Their fake kernels live in
+// python/xent/_fake.py.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,6 +19,10 @@
 #include <utility>
 
 #include "xent/torch.h"
+
+// The adapter's own argument checks: a c10::Error (RuntimeError in Python) whose message starts
+// "xent: " as the core's errors do (src/error.h). The rest of the arguments are TORCH_CHECK's.
+#define XENT_CHECK(cond, ...) TORCH_CHECK(cond, "xent: ", __VA_ARGS__)
 
 namespace xent::torch::detail {
 
@@ -94,7 +99,7 @@ Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device
             const CrossEntropyOptions& o);
 
 // The whole call on N-D logits (every public entry point ends here): shapes and types checked,
-// leading dimensions flattened, the autograd function applied when a gradient is wanted.
+// leading dimensions flattened, the autograd node attached when a gradient is wanted.
 CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const OpArgs& args,
                        const CrossEntropyOptions& o);
 

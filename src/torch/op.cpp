@@ -3,7 +3,7 @@
 // rank, no communication.
 //
 // Public: vocab_parallel_cross_entropy and vocab_parallel_cross_entropy_stats, CompositeImplicit-
-// Autograd: they check, flatten the leading dimensions and apply the autograd function
+// Autograd: they check, flatten the leading dimensions and attach the autograd node
 // (function.cpp), which calls the internal operators _forward, _forward_inplace, _backward,
 // _backward_inplace and _scale_inplace (ops.cpp: CPU and CUDA kernels; fake kernels for
 // torch.compile in python/xent/_fake.py). check_errors(group_name, device) syncs and reports

@@ -61,9 +61,9 @@ Setup setup_for_tensors(c10::string_view group_name, c10::Device device, int64_t
                         std::initializer_list<const at::Tensor*> others,
                         const CrossEntropyOptions& o) {
   for (const at::Tensor* t : others)
-    TORCH_CHECK(!t->defined() || t->numel() == 0 || t->device() == device, "xent: a tensor is on ",
-                t->device(), " but the logits are on ", device,
-                ": every tensor of a call must be on the logits' device");
+    XENT_CHECK(!t->defined() || t->numel() == 0 || t->device() == device, "a tensor is on ",
+               t->device(), " but the logits are on ", device,
+               ": every tensor of a call must be on the logits' device");
   Setup s = setup(resolve_group(std::string(group_name)), device, cols, o);
   s.opt.check_pointers = false;
   return s;
@@ -72,8 +72,8 @@ Setup setup_for_tensors(c10::string_view group_name, c10::Device device, int64_t
 // grad_output as the core takes it: float32, contiguous, on the logits' device; null means 1.
 const float* grad_output_ptr(const std::optional<at::Tensor>& go) {
   if (!go || !go->defined() || go->numel() == 0) return nullptr;
-  TORCH_CHECK(go->scalar_type() == at::kFloat && go->is_contiguous(),
-              "xent: grad_output must be a contiguous float32 tensor, got ", go->scalar_type());
+  XENT_CHECK(go->scalar_type() == at::kFloat && go->is_contiguous(),
+             "grad_output must be a contiguous float32 tensor, got ", go->scalar_type());
   return go->data_ptr<float>();
 }
 

@@ -170,6 +170,7 @@ def test_bad_input_raises_naming_argument_and_value(case):
     with pytest.raises(RuntimeError) as info:
         bad.call(*bad_args(device, requires_grad))
     message = one_line(info.value)
+    assert message.startswith("xent: "), f"message lacks the 'xent: ' prefix: {message}"
     for part in bad.parts:
         assert part in message, f"message lacks {part!r}: {message}"
 
@@ -197,7 +198,7 @@ def test_bad_input_in_fresh_process_raises_and_never_crashes():
     lines = {line.split(": ", 1)[0]: line for line in r.stdout.splitlines() if ": " in line}
     for case_id, _, _, bad in bad_cases():
         line = lines.get(case_id, "")
-        assert line.startswith(case_id + ": RuntimeError: "), (
+        assert line.startswith(case_id + ": RuntimeError: xent: "), (
             f"{case_id}: no RuntimeError printed ({line!r})\nstdout:\n{r.stdout}")
         for part in bad.parts:
             assert part in line, f"{case_id}: message lacks {part!r}: {line}"
