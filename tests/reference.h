@@ -11,8 +11,8 @@
 //   dL/dx = [(1 + 2 w lse) softmax_j - e / V - (1 - e)[j == y]] * (1 - tanh(x_j / c)^2)
 //           * scale * grad_output,   scale = 1 / n_valid (mean) or 1 (sum, none)
 //   padded columns (j >= V) and ignored rows: gradient 0.
-//   mean over an all-ignored batch: loss 0, gradient 0 (the library's documented choice).#pragma
-//   once
+//   mean over an all-ignored batch: loss 0, gradient 0 (the library's documented choice).
+#pragma once
 
 #include "inputs.h"
 

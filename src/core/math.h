@@ -68,10 +68,6 @@ XENT_HD float cap_r(float x, const CapScales& k) {
   return rcp_f(1.0f + exp2_f(x * k.in));
 }
 
-// With a softcap, z < c: exp(z - c) needs no running max, and lse = c + log(sum of them), while
-// e^(-2c), the smallest term, is a normal float. Caps above this take the general path.
-constexpr float kFixedMaxCap = 40.0f;
-
 // exp(from - to) for rescaling a running sum from max `from` to max `to >= from`; 0 when the sum
 // was empty (from = -inf), which also avoids -inf - -inf = NaN.
 XENT_HD float rescale(float from, float to) {
@@ -98,7 +94,8 @@ struct LseAcc {
     s = s * rescale(m, nm) + o.s * rescale(o.m, nm);
     m = nm;
   }
-  XENT_HD float lse() const { return s > 0.0f ? m + log_f(s) : kNegInf; }
+  // -inf for an empty row; NaN when a NaN logit reached the sum (never a finite or -inf value).
+  XENT_HD float lse() const { return s == 0.0f ? kNegInf : m + log_f(s); }
 };
 
 // log(exp(a) + exp(b)), with -inf as the empty value.

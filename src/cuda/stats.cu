@@ -1,14 +1,9 @@
 // The statistics kernel: one pass over each row of this shard, its record for the exchange
 // (docs/design.md, "The record"). Three variants, picked on the host:
 //   plain:   no softcap, no sum, no argmax: an online log-sum-exp, one exponential per element;
-//   capped:  a softcap c <= core::kFixedMaxCap and nothing else: z < c, so exp(z - c) needs no
-//            running max; per element an exponential and a reciprocal for z and an exponential
-//            for the sum. On 2-byte logits those three would saturate the multi-function units
-//            (MUFU, 16 results per clock per SM: two per element at the memory roofline), so the
-//            reciprocal is Newton's on the FMA pipes. (A polynomial exponential for one element
-//            in 8 or 4 as well measured slower on H200: 81.9 and 81.2 against 82.9 % of the
-//            3-pass roofline, Gemma 2 at TP 2: the pass is issue-bound, not MUFU-bound.);
-//   general: anything else (label smoothing's sum, argmax, larger caps), decided per row.
+//   capped:  a softcap c in [kMinCap, kMaxCap] and nothing else: z < c, so exp(z - c) needs no
+//            running max (capped_exp);
+//   general: anything else (label smoothing's sum, argmax, other caps), decided per row.
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -46,23 +41,42 @@ __device__ void report_bad_target(int64_t* error, const void* targets, IndexType
   }
 }
 
-// 1 / d for d in [1, 2^64], on the FMA pipes: a guess from the bits (error <= 5.1 %), then three
-// Newton steps (error ~1e-7, as rcp.approx's).
-__device__ __forceinline__ float rcp_newton(float d) {
-  float r = __int_as_float(0x7ef311c3 - __float_as_int(d));
-#pragma unroll
-  for (int k = 0; k < 3; ++k) r = fmaf(r, fmaf(-d, r, 1.0f), r);
-  return r;
+// The capped variant's range of caps. Within it, lse = c + log(sum of exp(z - c)) while e^(-2c),
+// the smallest term, is a normal float, and capped_exp's scaled reciprocal stays in range.
+constexpr float kMinCap = 1e-3f;
+constexpr float kMaxCap = 40.0f;
+
+// min(a, b), NaN when either is NaN (fminf would turn a NaN logit into a finite term).
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float y;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
 }
 
-// exp(z - c) for the softcapped z of x. kMufuOnly: its three operations on the MUFU (4-byte
-// logits leave it room); else the reciprocal is Newton's.
+// 1 / d on the FMA pipes, for a normal d of either sign with 1 / d normal: a seed from the bits
+// (relative error <= 5.1 %; the unsigned subtraction carries d's sign over), one third-order step
+// (error cubed) and one Newton step (squared): about 2e-8, as rcp.approx's.
+__device__ __forceinline__ float rcp_fma(float d) {
+  float r = __uint_as_float(0x7ef311c3u - __float_as_uint(d));
+  float h = fmaf(-d, r, 1.0f);
+  r = fmaf(r, fmaf(h, h, h), r);
+  h = fmaf(-d, r, 1.0f);
+  return fmaf(r, h, r);
+}
+
+// exp(z - c) = 2^(out r) for the softcapped z of x (core::CapScales, core::cap_r). kMufuOnly: its
+// three operations on the multi-function units (MUFU), which 4-byte logits leave room for. On
+// 2-byte logits three MUFU operations per element would exceed the MUFU's 16 results per clock
+// per SM at the memory roofline, and the pass is issue-bound besides, so the reciprocal runs on
+// the FMA pipes with the scale folded in: out r = 1 / d with d = (1 + e) / out, one FFMA (inv_out
+// = 1 / out). 13 instructions per element in all, two of them MUFU. (A polynomial exponential
+// for one element in 8 or 4 as well measured slower on H200.)
 template <bool kMufuOnly>
-__device__ __forceinline__ float capped_exp(float x, const core::CapScales& k) {
+__device__ __forceinline__ float capped_exp(float x, const core::CapScales& k, float inv_out) {
   if constexpr (kMufuOnly) return core::exp2_f(k.out * core::cap_r(x, k));
-  // Clamped so that 1 + e stays finite for the Newton reciprocal (r = 2^-64 is 0 to the sum).
-  const float e = core::exp2_f(fminf(x * k.in, 64.0f));
-  return core::exp2_f(k.out * rcp_newton(1.0f + e));
+  // e is clamped so that d stays finite (r = 2^-64 is 0 to the sum), keeping a NaN.
+  const float e = core::exp2_f(min_nan(x * k.in, 64.0f));
+  return core::exp2_f(rcp_fma(fmaf(e, inv_out, inv_out)));
 }
 
 // A thread's share of a row when the row needs more than its log-sum-exp.
@@ -142,6 +156,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
   const int n = static_cast<int>(p.real_cols);
   const float cap = kVariant == Variant::plain ? 0.0f : p.softcap;
   const core::CapScales k(cap);
+  const float inv_out = kVariant == Variant::capped ? 1.0f / k.out : 0.0f;
   const bool want_sum = kGeneral && p.layout.sum_field >= 0;
   const bool want_max = kGeneral && p.layout.max_field >= 0;
 
@@ -163,7 +178,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
   float capped_sum = 0.0f;  // Variant::capped: sum of exp(z - c)
   auto elem = [&](T v, int col) {
     if constexpr (kVariant == Variant::capped) {
-      capped_sum += capped_exp<true>(E::load(v), k);
+      capped_sum += capped_exp<true>(E::load(v), k, inv_out);
     } else {
       const float z = core::softcap(E::load(v), k);
       lse_of(acc).add(z);
@@ -189,7 +204,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
           unpack<E>(c.v[u], xs);
           float s = 0.0f;
 #pragma unroll
-          for (int e = 0; e < kN; ++e) s += capped_exp<(sizeof(T) >= 4)>(xs[e], k);
+          for (int e = 0; e < kN; ++e) s += capped_exp<(sizeof(T) >= 4)>(xs[e], k, inv_out);
           capped_sum += s;
         }
       }
@@ -238,7 +253,7 @@ Variant variant_of(const core::Problem& p) {
   const bool extra = p.layout.sum_field >= 0 || p.layout.max_field >= 0;
   if (extra) return Variant::general;
   if (p.softcap <= 0.0f) return Variant::plain;
-  return p.softcap <= core::kFixedMaxCap ? Variant::capped : Variant::general;
+  return p.softcap >= kMinCap && p.softcap <= kMaxCap ? Variant::capped : Variant::general;
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Timing driver for the CUDA backend (not a test). bf16, N = 8192 (or argv[1]), mean reduction,
-// V_local in {16032, 32064, 128256}, both grad modes, through the public API, timed with CUDA
+// softcap 0 (or argv[2]: 30 is Gemma 2's), V_local in {16032, 32064, 128256}, both grad modes, through the public API, timed with CUDA
 // events; the device-to-device copy bandwidth is measured in the same run. Prints:
 //   - forward + backward time against the 3-pass roofline 3 * N * V * 2 bytes / copy_bw
 //     (copy_bw counts bytes read + written),
@@ -88,6 +88,7 @@ struct Timer {
 
 int main(int argc, char** argv) {
   const int64_t N = argc > 1 ? std::atoll(argv[1]) : 8192;
+  const float softcap = argc > 2 ? static_cast<float>(std::atof(argv[2])) : 0.0f;
   const std::vector<int64_t> vocabs = {16032, 32064, 128256};
   cudaDeviceProp prop{};
   ck(cudaGetDeviceProperties(&prop, 0), "props");
@@ -113,8 +114,9 @@ int main(int argc, char** argv) {
   ck(cudaFree(dst), "free");
 
   std::printf(
-      "forward + backward, bf16, mean: ms and %% of the 3-pass roofline, with and "
-      "without programmatic dependent launch (PDL)\n");
+      "forward + backward, bf16, mean, softcap %g: ms and %% of the 3-pass roofline, with and "
+      "without programmatic dependent launch (PDL)\n",
+      softcap);
   std::printf("%-6s %-7s %-9s %9s %10s %7s %10s %7s\n", "N", "V_local", "mode", "roof ms", "PDL ms",
               "%roof", "noPDL ms", "%roof");
   struct KernelRow {
@@ -151,6 +153,7 @@ int main(int argc, char** argv) {
     const double roof_ms = 3.0 * N * V * 2 / copy_bw * 1e3;
     for (xent::GradMode mode : {xent::GradMode::fused, xent::GradMode::deferred}) {
       xent::Options opt;
+      opt.softcap = softcap;
       opt.grad_mode = mode;
       g.reserve(N, opt);
       xent::Outputs out;
@@ -175,6 +178,7 @@ int main(int argc, char** argv) {
     // Kernels alone.
     {
       xent::Options opt;
+      opt.softcap = softcap;
       const xent::core::Problem p = xent::core::make_problem(lv, tv, opt);
       xent::Workspace& ws = g.workspace();
       ws.prepare(N, p.layout.fields, 1, nullptr);
