@@ -46,13 +46,6 @@ __device__ void report_bad_target(int64_t* error, const void* targets, IndexType
 constexpr float kMinCap = 1e-3f;
 constexpr float kMaxCap = 40.0f;
 
-// min(a, b), NaN when either is NaN (fminf would turn a NaN logit into a finite term).
-__device__ __forceinline__ float min_nan(float a, float b) {
-  float y;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
-  return y;
-}
-
 // 1 / d on the FMA pipes, for a normal d of either sign with 1 / d normal: a seed from the bits
 // (relative error <= 5.1 %; the unsigned subtraction carries d's sign over), one third-order step
 // (error cubed) and one Newton step (squared): about 2e-8, as rcp.approx's.
@@ -64,19 +57,34 @@ __device__ __forceinline__ float rcp_fma(float d) {
   return fmaf(r, h, r);
 }
 
-// exp(z - c) = 2^(out r) for the softcapped z of x (core::CapScales, core::cap_r). kMufuOnly: its
-// three operations on the multi-function units (MUFU), which 4-byte logits leave room for. On
-// 2-byte logits three MUFU operations per element would exceed the MUFU's 16 results per clock
-// per SM at the memory roofline, and the pass is issue-bound besides, so the reciprocal runs on
-// the FMA pipes with the scale folded in: out r = 1 / d with d = (1 + e) / out, one FFMA (inv_out
-// = 1 / out). 13 instructions per element in all, two of them MUFU. (A polynomial exponential
-// for one element in 8 or 4 as well measured slower on H200.)
-template <bool kMufuOnly>
-__device__ __forceinline__ float capped_exp(float x, const core::CapScales& k, float inv_out) {
-  if constexpr (kMufuOnly) return core::exp2_f(k.out * core::cap_r(x, k));
-  // e is clamped so that d stays finite (r = 2^-64 is 0 to the sum), keeping a NaN.
-  const float e = core::exp2_f(min_nan(x * k.in, 64.0f));
+// exp(z - c) = 2^(out r) for the softcapped z of x (core::CapScales, core::cap_r), all on the
+// multi-function units (MUFU): an exponential, a reciprocal and an exponential. 4-byte logits
+// leave the MUFU room for that; 2-byte logits take capped_exp2.
+__device__ __forceinline__ float capped_exp(float x, const core::CapScales& k) {
+  return core::exp2_f(k.out * core::cap_r(x, k));
+}
+
+// capped_exp for 2-byte logits, where the three MUFU operations per element would exceed the
+// MUFU's 16 results per clock per SM at the memory roofline (and the pass is issue-bound
+// besides): the reciprocal runs on the FMA pipes with the scale folded in, out r = 1 / d with
+// d = (1 + e) / out (inv_out = 1 / out). x must be clamped so that x * in <= 64 (d stays
+// finite; r = 2^-64 is 0 to the sum). 13 instructions per element with the clamp and the sum.
+// (A polynomial exponential on the FMA pipes for one element in 16, 8 or 4 as well measured
+// 0.6, 1.0 and 1.8 % faster on H200: not worth a second exponential.)
+__device__ __forceinline__ float capped_exp2(float x, const core::CapScales& k, float inv_out) {
+  const float e = core::exp2_f(x * k.in);
   return core::exp2_f(rcp_fma(fmaf(e, inv_out, inv_out)));
+}
+
+// Each 16-bit lane of w clamped to at most that of lim, NaN kept (min.NaN).
+template <typename T>
+__device__ __forceinline__ uint32_t min_nan_x2(uint32_t w, uint32_t lim) {
+  uint32_t y;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(y) : "r"(w), "r"(lim));
+  else
+    asm("min.NaN.f16x2 %0, %1, %2;" : "=r"(y) : "r"(w), "r"(lim));
+  return y;
 }
 
 // A thread's share of a row when the row needs more than its log-sum-exp.
@@ -157,6 +165,17 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
   const float cap = kVariant == Variant::plain ? 0.0f : p.softcap;
   const core::CapScales k(cap);
   const float inv_out = kVariant == Variant::capped ? 1.0f / k.out : 0.0f;
+  // Variant::capped on 2-byte logits: the largest logit of the dtype with x * in <= 64, twice.
+  uint32_t x_lim = 0;
+  if constexpr (kVariant == Variant::capped && sizeof(T) == 2) {
+    const float lim = 64.0f / k.in;
+    uint16_t h;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      h = __bfloat16_as_ushort(__float2bfloat16_rz(lim));
+    else
+      h = __half_as_ushort(__float2half_rz(lim));
+    x_lim = static_cast<uint32_t>(h) * 0x10001u;
+  }
   const bool want_sum = kGeneral && p.layout.sum_field >= 0;
   const bool want_max = kGeneral && p.layout.max_field >= 0;
 
@@ -178,7 +197,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
   float capped_sum = 0.0f;  // Variant::capped: sum of exp(z - c)
   auto elem = [&](T v, int col) {
     if constexpr (kVariant == Variant::capped) {
-      capped_sum += capped_exp<true>(E::load(v), k, inv_out);
+      capped_sum += capped_exp(E::load(v), k);
     } else {
       const float z = core::softcap(E::load(v), k);
       lse_of(acc).add(z);
@@ -188,7 +207,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
       }
     }
   };
-  auto chunk = [&](const Chunk<T>& c) {
+  auto chunk = [&](const auto& c) {
     if constexpr (kVariant == Variant::plain) {
       float z[kU][kN];  // a missing pack reads as -inf
 #pragma unroll
@@ -199,12 +218,20 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
     } else if constexpr (kVariant == Variant::capped) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        if (u < c.valid) {
+        if (c.has(u)) {
+          Pack<T> v = c.v[u];
+          if constexpr (sizeof(T) == 2) {
+            v.v.x = min_nan_x2<T>(v.v.x, x_lim);
+            v.v.y = min_nan_x2<T>(v.v.y, x_lim);
+            v.v.z = min_nan_x2<T>(v.v.z, x_lim);
+            v.v.w = min_nan_x2<T>(v.v.w, x_lim);
+          }
           float xs[kN];
-          unpack<E>(c.v[u], xs);
+          unpack<E>(v, xs);
           float s = 0.0f;
 #pragma unroll
-          for (int e = 0; e < kN; ++e) s += capped_exp<(sizeof(T) >= 4)>(xs[e], k, inv_out);
+          for (int e = 0; e < kN; ++e)
+            s += sizeof(T) >= 4 ? capped_exp(xs[e], k) : capped_exp2(xs[e], k, inv_out);
           capped_sum += s;
         }
       }
@@ -214,7 +241,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
       for (int u = 0; u < kU; ++u) {
 #pragma unroll
         for (int e = 0; e < kN; ++e) {
-          const bool ok = u < c.valid;
+          const bool ok = c.has(u);
           const float ze = core::softcap(E::load(c.v[u].e[e]), k);
           z[u][e] = ok ? ze : core::kNegInf;
           if (ok && want_sum) acc.sum += ze;
