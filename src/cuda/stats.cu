@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
       }
     }
   };
-  auto chunk = [&](const auto& c) {
+  auto chunk = [&](const Chunk<T>& c) {
     if constexpr (kVariant == Variant::plain) {
       float z[kU][kN];  // a missing pack reads as -inf
 #pragma unroll
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
     } else if constexpr (kVariant == Variant::capped) {
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
-        if (c.has(u)) {
+        if (u < c.valid) {
           Pack<T> v = c.v[u];
           if constexpr (sizeof(T) == 2) {
             v.v.x = min_nan_x2<T>(v.v.x, x_lim);
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kBlock, kVariant == Variant::general
       for (int u = 0; u < kU; ++u) {
 #pragma unroll
         for (int e = 0; e < kN; ++e) {
-          const bool ok = c.has(u);
+          const bool ok = u < c.valid;
           const float ze = core::softcap(E::load(c.v[u].e[e]), k);
           z[u][e] = ok ? ze : core::kNegInf;
           if (ok && want_sum) acc.sum += ze;
