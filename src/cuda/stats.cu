@@ -68,7 +68,7 @@ __device__ __forceinline__ float capped_exp(float x, const core::CapScales& k) {
 // MUFU's 16 results per clock per SM at the memory roofline (and the pass is issue-bound
 // besides): the reciprocal runs on the FMA pipes with the scale folded in, out r = 1 / d with
 // d = (1 + e) / out (inv_out = 1 / out). x must be clamped so that x * in <= 64 (d stays
-// finite; r = 2^-64 is 0 to the sum). 13 instructions per element with the clamp and the sum.
+// finite; r = 2^-64 is 0 to the sum). About 13 instructions per element with the clamp and sum.
 // (A polynomial exponential on the FMA pipes for one element in 16, 8 or 4 as well measured
 // 0.6, 1.0 and 1.8 % faster on H200: not worth a second exponential.)
 __device__ __forceinline__ float capped_exp2(float x, const core::CapScales& k, float inv_out) {
