@@ -9,7 +9,7 @@
 #include "backend.h"
 #include "core/dtype.h"
 #include "cuda/launch.cuh"
-#include "cuda/row_walk.cuh"
+#include "cuda/row_agents.cuh"
 
 namespace xent::cuda {
 namespace {
@@ -40,23 +40,14 @@ __global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
   const int n = static_cast<int>(p.cols);
 
   const int64_t target = core::load_target(targets.data, targets.type, row);
-  if (target == p.ignore_index || !core::target_in_range(target, p.vocab_size)) {
+  if (!has_gradient(p, target)) {
     Walk::zero(dx, n, t);
     return;
   }
   const float go =
       ptr.grad_output == nullptr ? 1.0f : ptr.grad_output[p.reduction == Reduction::none ? row : 0];
-  const float scale = ptr.scalars[Workspace::kScale] * go;
-  const core::GradCoef c = core::grad_coef(ptr.lse[row], scale, p.smoothing, p.inv_vocab, p.z_loss);
-  const core::CapScales k(kCap ? p.softcap : 0.0f);
-  const int64_t l = target - p.vocab_start;
-  const int rc = static_cast<int>(p.real_cols);
-  const int tl = (l >= 0 && l < rc) ? static_cast<int>(l) : -1;
-  Walk::transform(x, dx, n, t, [&](T v, int col) {
-    const core::CappedLogit z = core::cap_logit(E::load(v), k);
-    const float g = core::grad_x(z.z, z.slope, col == tl, c);
-    return E::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
-  });
+  const GradAgent<E, kCap> grad(p, target, ptr.lse[row], ptr.scalars[Workspace::kScale] * go);
+  Walk::transform(x, dx, n, t, grad);
 }
 
 template <typename E, int kGroup>
