@@ -173,6 +173,7 @@ std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Operat
       r.tokens = n;
       r.width = width;
       r.mode = mode;
+      r.path = op.path();
       r.bytes = bytes_moved(n, width, s.dtype);
       if (s.check) r.wrong = op.verify();
       progress(mode, true);

@@ -215,6 +215,7 @@ Operation::Operation(const Settings& s, xent::Group& group, Device& dev)
   opt_.z_loss = static_cast<float>(s.z_loss);
   opt_.softcap = static_cast<float>(s.softcap);
   opt_.reduction = to_xent_reduction(s.reduction);
+  opt_.single_pass = !s.two_pass;
 }
 
 Operation::~Operation() = default;
@@ -274,6 +275,10 @@ void Operation::first_call(const std::string& mode) {
   check_errors();
   extra_bytes_ = std::max<int64_t>(extra_bytes_ + dev_.memory_in_use() - before,
                                    static_cast<int64_t>(group_.workspace_bytes()));
+}
+
+std::string Operation::path() const {
+  return xent::forward_path(group_, size_->lv, opt_);
 }
 
 int64_t Operation::verify() {

@@ -57,6 +57,8 @@ class Operation {
   // finite values.
   void forward();
   void backward();
+  // The path forward takes in the mode of the last first_call (xent::forward_path).
+  std::string path() const;
   // After the device is synchronised: throws if a target was out of range.
   void check_errors();
   // Memory xent took beyond its inputs and outputs over the sweep so far (the workspace only

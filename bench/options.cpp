@@ -235,6 +235,14 @@ const std::vector<Option> kOptions = {
        if (v) r.s.idle = to_bool(*v);
      },
      [](const Settings& s, json& c) { c["idle"] = s.idle; }},
+    {"two_pass", "--two-pass", nullptr,
+     "take the two-pass path even where the single-pass one applies (Options::single_pass = "
+     "false): one rank, fused, rows that fit on chip",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.two_pass = to_bool(*v);
+     },
+     [](const Settings& s, json& c) { c["two_pass"] = s.two_pass; }},
     {"json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)", false,
      [](Resolve& r, const Source* v) {
        if (!v) return;

@@ -34,7 +34,8 @@ struct Settings {
   int warmup = 5;
   bool check = false;
   bool graph = false;
-  bool idle = false;  // each step from an idle GPU after a barrier, median (else back to back)
+  bool two_pass = false;  // Options::single_pass = false
+  bool idle = false;      // each step from an idle GPU after a barrier, median (else back to back)
   uint64_t seed = 1;
   std::string json;
   std::string command;  // argv, joined

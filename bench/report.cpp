@@ -23,6 +23,14 @@ double roofline_ms(const Result& r, const Env& env) {
 double roofline_pct(const Result& r, const Env& env) {
   return 100.0 * roofline_ms(r, env) / r.total_ms;
 }
+// The 2-pass floor: the logits read once and the gradient written once (two thirds of the
+// roofline), what a path that holds each row on chip can reach.
+double floor_ms(const Result& r, const Env& env) {
+  return roofline_ms(r, env) * 2.0 / 3.0;
+}
+double floor_pct(const Result& r, const Env& env) {
+  return 100.0 * floor_ms(r, env) / r.total_ms;
+}
 
 nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results,
                        int64_t wrong) {
@@ -49,6 +57,7 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
     json row = {{"tokens", r.tokens},
                 {"vocab_per_rank", r.width},
                 {"mode", r.mode},
+                {"path", r.path},
                 {"dtype", dtype_name(s.dtype)},
                 {"fwd_ms", r.fwd_ms},
                 {"bwd_ms", r.bwd_ms},
@@ -57,6 +66,8 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
                 {"gbps", gbps(r)},
                 {"roofline_ms", roofline_ms(r, env)},
                 {"roofline_pct", roofline_pct(r, env)},
+                {"floor_ms", floor_ms(r, env)},
+                {"floor_pct", floor_pct(r, env)},
                 {"extra_mib", r.extra_bytes / (1 << 20)}};
     row["wrong"] = s.check ? json(r.wrong) : json(nullptr);
     rows.push_back(row);
@@ -96,12 +107,15 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
   std::printf("# copy bandwidth %.1f GB/s (%s, slowest rank)\n", env.copy_bw / 1e9,
               env.copy_how.c_str());
   std::printf(
-      "# roofline: the logits read twice and the gradient written once at that bandwidth\n");
+      "# %%roof: the 3-pass roofline (the logits read twice and the gradient written once at that\n"
+      "# bandwidth) over the time; %%floor: the 2-pass floor (read once, written once) over the "
+      "time\n");
+  std::printf("# path: single-pass (each row read once) or two-pass (xent::forward_path)\n");
   std::printf("#\n");
-  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s\n", "", "", "", "forward", "backward",
-              "total", "all-gather", "", "", "extra");
-  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %9s %7s\n", "tokens", "vocab/rank", "mode",
-              "ms", "ms", "ms", "ms", "GB/s", "%roof", "MiB", "#wrong");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %6s %9s %7s %11s\n", "", "", "", "forward",
+              "backward", "total", "all-gather", "", "", "", "extra", "", "");
+  std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %6s %9s %7s %11s\n", "tokens", "vocab/rank",
+              "mode", "ms", "ms", "ms", "ms", "GB/s", "%roof", "%floor", "MiB", "#wrong", "path");
   std::fflush(stdout);
 }
 
@@ -111,9 +125,10 @@ void print_row(const Settings& s, const Env& env, const Result& r) {
     std::snprintf(wrong, sizeof wrong, "%" PRId64, r.wrong);
   else
     std::snprintf(wrong, sizeof wrong, "N/A");
-  std::printf("%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %9.2f %7s\n",
-              r.tokens, r.width, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms,
-              gbps(r), roofline_pct(r, env), r.extra_bytes / (1 << 20), wrong);
+  std::printf(
+      "%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %6.1f %9.2f %7s %11s\n",
+      r.tokens, r.width, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms, gbps(r),
+      roofline_pct(r, env), floor_pct(r, env), r.extra_bytes / (1 << 20), wrong, r.path.c_str());
   std::fflush(stdout);
 }
 

@@ -83,7 +83,22 @@ int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) 
   return -1;
 }
 
+// Whether forward takes the single-pass path (Options::single_pass).
+bool takes_single_pass(const Group& group, const core::Problem& p, DType dtype,
+                       const Options& opt) {
+  return opt.single_pass && group.backend() == Backend::cuda && group.size() == 1 &&
+         opt.grad_mode == GradMode::fused && cuda::single_pass_fits(p, dtype);
+}
+
 }  // namespace
+
+const char* forward_path(const Group& group, LogitsView logits, const Options& opt) {
+  // The problem's checks need no data: a view with rows 0 plans the same columns.
+  LogitsView shape = logits;
+  shape.rows = 0;
+  const core::Problem p = core::make_problem(shape, TargetsView{nullptr, IndexType::i64, 0}, opt);
+  return takes_single_pass(group, p, logits.dtype, opt) ? "single-pass" : "two-pass";
+}
 
 namespace {
 
@@ -164,6 +179,19 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   }
   check_placement(group, opt, logits.data, "logits.data");
   check_placement(group, opt, targets.data, "targets.data");
+  if (takes_single_pass(group, p, logits.dtype, opt)) {
+    // The outputs (the gradient's buffer among them) before the one pass that writes them.
+    cuda::count_valid(p, targets, ws.scalars, stream);
+    const Outputs out = take_outputs();
+    check_placement(group, opt, out.loss, "outputs.loss");
+    check_placement(group, opt, out.lse, "outputs.lse");
+    check_placement(group, opt, out.grad.data, "outputs.grad.data");
+    const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
+    cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
+    cuda::finalize(p, targets, ws.recv, 1, out, out.lse ? out.lse : ws.lse, ws.scalars, ws.partials,
+                   stream);
+    return;
+  }
   cuda::stats(p, logits, targets, ws.send, ws.error, stream);
   if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
 

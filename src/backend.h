@@ -77,6 +77,13 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
 void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream);
+// One rank, fused: whether single_pass takes rows of p's shape (no padding columns, rows that a
+// block's registers hold and that the two-pass path would give a block).
+bool single_pass_fits(const core::Problem& p, DType dtype);
+// stats, the gradient (scale from scalars, after count_valid) and the records in one pass over
+// each row; finalize(records, 1 rank) follows. out may be in (in place).
+void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
+                 float* record, int64_t* error, const float* scalars, cudaStream_t stream);
 // Device count, 0 when there is no usable driver/GPU (never throws).
 int device_count();
 }  // namespace cuda

@@ -80,6 +80,11 @@ struct Options {
   // scheduled while the previous one in the stream drains (about 1 % of a step at small
   // shards); false launches them one after another.
   bool programmatic_launch = true;
+  // CUDA backend, one rank, grad_mode fused: read each row once where its block can hold it on
+  // chip (rows of 4097 to 32768 columns of 2-byte logits, 2049 to 16384 of float32, no padding
+  // columns): statistics and gradient in one kernel. false takes the two-pass path (statistics,
+  // then gradient), as every other case does. forward_path() says which one a call takes.
+  bool single_pass = true;
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.
@@ -177,6 +182,11 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
 // a mistake then throws on this rank alone, after its part of the exchange (no rank waits).
 void forward(const Group& group, LogitsView logits, TargetsView targets, const Options& opt,
              const std::function<Outputs()>& make_outputs, cudaStream_t stream = nullptr);
+
+// The path that forward takes for these arguments on this group: "single-pass" (each row read
+// once: Options::single_pass) or "two-pass" (statistics, exchange, then gradient). For
+// benchmarks and logs; no check of the arguments beyond what the choice needs.
+const char* forward_path(const Group& group, LogitsView logits, const Options& opt);
 
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
 // fused: `logits` holds forward's gradient; rows are rescaled by grad_output where it is not 1

@@ -152,7 +152,6 @@ template <typename E, int kGroup, Variant kVariant>
 struct StatsAgent {
   using T = typename E::type;
   static constexpr int kN = Pack<T>::kN;
-  static constexpr int kU = RowPolicy::kLoads;
   static constexpr bool kGeneral = kVariant == Variant::general;
   using Acc = std::conditional_t<kGeneral, Part, core::LseAcc>;
   using Merge = std::conditional_t<kGeneral, MergePart, MergeLse>;
@@ -206,7 +205,8 @@ struct StatsAgent {
     }
   }
 
-  __device__ __forceinline__ void chunk(const Chunk<T>& c) {
+  template <int kU>
+  __device__ __forceinline__ void chunk(const Chunk<T, kU>& c) {
     if constexpr (kVariant == Variant::plain) {
       float z[kU][kN];  // a missing pack reads as -inf
 #pragma unroll

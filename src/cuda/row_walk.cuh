@@ -103,9 +103,17 @@ __device__ __forceinline__ int group_lane() {
   return static_cast<int>(threadIdx.x % kGroup);
 }
 
-// Reduction of one value per thread over the group of threads that owns a row.
+// Reduction of one value per thread over the group of threads that owns a row: a warp of a
+// kBlock-thread block, or a whole block of kGroup threads.
 template <typename V, int kGroup>
-struct GroupReduce;
+struct GroupReduce {
+  using Block = cub::BlockReduce<V, kGroup>;
+  using Storage = typename Block::TempStorage;
+  template <typename Op>
+  static __device__ __forceinline__ V reduce(Storage& s, V v, Op op) {
+    return Block(s).Reduce(v, op);
+  }
+};
 
 template <typename V>
 struct GroupReduce<V, 32> {
@@ -116,16 +124,6 @@ struct GroupReduce<V, 32> {
   template <typename Op>
   static __device__ __forceinline__ V reduce(Storage& s, V v, Op op) {
     return Warp(s.warp[threadIdx.x / 32]).Reduce(v, op);
-  }
-};
-
-template <typename V>
-struct GroupReduce<V, kBlock> {
-  using Block = cub::BlockReduce<V, kBlock>;
-  using Storage = typename Block::TempStorage;
-  template <typename Op>
-  static __device__ __forceinline__ V reduce(Storage& s, V v, Op op) {
-    return Block(s).Reduce(v, op);
   }
 };
 
@@ -146,12 +144,13 @@ __device__ __forceinline__ RowSplit split_row(const T* p, int n) {
   return RowSplit{head, nv, head + nv * kN};
 }
 
-// A chunk of the body as the reading functor sees it: v[u] (u < kLoads) is pack `i0 + u *
-// kGroup` of the body while u < valid; the rest hold the walk's fill value.
-template <typename T>
+// A chunk of the body as the reading functor sees it: v[u] (u < kU; the walk's are kLoads packs)
+// is pack `i0 + u * kGroup` of the body while u < valid; the rest hold the walk's fill value.
+template <typename T, int kU = RowPolicy::kLoads>
 struct Chunk {
   static constexpr int kN = Pack<T>::kN;
-  Pack<T> v[RowPolicy::kLoads];
+  static constexpr int kPacks = kU;
+  Pack<T> v[kU];
   int valid;
   int col0;    // the column of v[0].e[0]
   int stride;  // columns from v[u] to v[u + 1]

@@ -1,0 +1,200 @@
+// The single-pass path (one rank, fused, rows held on chip: Options::single_pass) against the
+// fp64 reference with the same bounds as the two-pass path, and the two-pass fallback forced
+// (single_pass = false) on the same inputs: every statistics variant, row widths on both block
+// shapes and unaligned row strides, the gradient over the logits or into a buffer aligned
+// differently, ignored and out-of-range targets; and forward_path's choice at the edges.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <xent/xent.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cuda_test.h"
+#include "harness.h"
+
+namespace {
+
+using xent::DType;
+using xtest::gpu::DevBuf;
+
+struct Shape {
+  int64_t cols;
+  int64_t stride_extra;  // elements between rows beyond cols (unaligned rows when odd)
+  bool separate_grad;    // Outputs::grad, one element off the logits' alignment
+};
+
+struct Got {
+  xtest::GotOutputs out;
+  xtest::HostLogits grad;
+  std::string path;
+  std::string error;  // check_errors' message, "" if none
+};
+
+Got run_cuda(const xtest::Matrix& x, const std::vector<int64_t>& targets, DType dtype,
+             const xent::Options& opt, const Shape& s) {
+  const int64_t n = x.rows;
+  const size_t nloss = opt.reduction == xent::Reduction::none ? static_cast<size_t>(n) : 1;
+  const double gap = 77.0;  // the stride gap of the gradient's buffer must keep it
+  Got r;
+  xtest::HostLogits logits = xtest::make_shard(x, 0, x.cols, dtype, x.cols + s.stride_extra, gap);
+  r.grad = s.separate_grad ? xtest::make_shard(x, 0, x.cols, dtype, x.cols + 5, gap) : logits;
+  const xtest::HostTargets tg(targets, xent::IndexType::i64);
+  // One element more than the buffer, so that the separate gradient can start one element in.
+  const size_t esz = xent::dtype_size(dtype);
+  DevBuf d_x(logits.bytes.size()), d_g(r.grad.bytes.size() + esz), d_t(tg.bytes()),
+      d_loss(nloss * 4), d_lse(n * 4);
+  d_x.up(logits.bytes.data());
+  d_t.up(tg.i64.data());
+  d_loss.poison();
+  d_lse.poison();
+  char* g_data = static_cast<char*>(d_g.p) + esz;
+  xtest::gpu::ck(
+      cudaMemcpy(g_data, r.grad.bytes.data(), r.grad.bytes.size(), cudaMemcpyHostToDevice),
+      "cudaMemcpy");
+  xent::LogitsView lv = logits.view();
+  lv.data = d_x.p;
+  xent::TargetsView tv = tg.view();
+  tv.data = d_t.p;
+  xent::Outputs out;
+  out.loss = static_cast<float*>(d_loss.p);
+  out.lse = static_cast<float*>(d_lse.p);
+  if (s.separate_grad) {
+    out.grad = r.grad.view();
+    out.grad.data = g_data;
+  }
+  xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
+  r.path = xent::forward_path(g, lv, opt);
+  xent::forward(g, lv, tv, opt, out);
+  xtest::gpu::ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  try {
+    g.check_errors(nullptr);
+  } catch (const xent::Error& e) {
+    r.error = e.what();
+  }
+  r.out.loss.resize(nloss);
+  r.out.lse.resize(n);
+  d_loss.down(r.out.loss.data());
+  d_lse.down(r.out.lse.data());
+  if (s.separate_grad)
+    xtest::gpu::ck(
+        cudaMemcpy(r.grad.bytes.data(), g_data, r.grad.bytes.size(), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+  else
+    d_x.down(r.grad.bytes.data());
+  return r;
+}
+
+struct Variant {
+  const char* name;
+  float softcap, label_smoothing, z_loss;
+  xent::Reduction reduction;
+  double sigma;
+};
+
+const Variant kVariants[] = {
+    {"plain-mean", 0.0f, 0.0f, 0.0f, xent::Reduction::mean, 2.0},
+    {"plain-none", 0.0f, 0.0f, 0.0f, xent::Reduction::none, 2.0},
+    {"capped-30-sum", 30.0f, 0.0f, 0.0f, xent::Reduction::sum, 12.0},
+    {"general-cap-50", 50.0f, 0.0f, 0.0f, xent::Reduction::mean, 20.0},
+    {"general-smoothing-zloss", 0.0f, 0.1f, 1e-3f, xent::Reduction::mean, 2.0},
+};
+
+TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
+  SKIP_WITHOUT_GPU();
+  for (DType d : {DType::bf16, DType::f16, DType::f32}) {
+    const bool wide = d != DType::f32;  // 8 or 4 elements per 16-byte pack
+    // The small block shape, the large one near its end, an unaligned stride, a separate buffer.
+    const Shape setups[] = {{wide ? 4105 : 2053, 0, false},
+                            {wide ? 9000 : 4500, 3, false},
+                            {wide ? 32760 : 16380, 1, true},
+                            {wide ? 20000 : 10000, 0, true}};
+    for (const Shape& s : setups)
+      for (const Variant& v : kVariants) {
+        SCOPED_TRACE(std::string(v.name) + " " + xent::to_string(d) + " cols " +
+                     std::to_string(s.cols) + " stride +" + std::to_string(s.stride_extra) +
+                     (s.separate_grad ? " separate grad" : " in place"));
+        const int64_t rows = 24;
+        xtest::Matrix x = xtest::random_logits(rows, s.cols, 5 + s.cols, d, v.sigma);
+        x.at(1, 3) = xtest::round_to(d, 6e4);
+        x.at(2, s.cols - 1) = xtest::round_to(d, 5.0 * v.sigma);
+        std::vector<int64_t> targets = xtest::random_targets(rows, s.cols, 9 + s.cols, 0.15);
+        targets[4] = s.cols - 1;  // the last column, in the tail or the last pack
+        xent::Options opt;
+        opt.softcap = v.softcap;
+        opt.label_smoothing = v.label_smoothing;
+        opt.z_loss = v.z_loss;
+        opt.reduction = v.reduction;
+        const xtest::RefOptions ro = xtest::ref_options(opt, s.cols);
+        const xtest::RefResult ref = xtest::reference(x, targets, ro);
+        for (bool single : {true, false}) {
+          SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
+          opt.single_pass = single;
+          const Got r = run_cuda(x, targets, d, opt, s);
+          EXPECT_EQ(r.path, single ? "single-pass" : "two-pass");
+          xtest::expect_outputs(r.out, ref, targets, ro);
+          EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0, {}, /*check_gap=*/true, 77.0));
+          EXPECT_EQ(r.error, "");
+        }
+      }
+  }
+}
+
+// Out-of-range targets on the single-pass path: the row's loss is NaN, its gradient 0, and
+// check_errors names the smallest such row, as on the two-pass path.
+TEST(SinglePass, BadTargetIsReported) {
+  SKIP_WITHOUT_GPU();
+  const int64_t rows = 300, cols = 9000;
+  const xtest::Matrix x = xtest::random_logits(rows, cols, 3, DType::bf16, 2.0);
+  std::vector<int64_t> targets = xtest::random_targets(rows, cols, 4, 0.1);
+  for (int64_t r = 41; r < rows; r += 7) targets[r] = (r % 2) ? cols + r : -3 - r;
+  xent::Options opt;
+  opt.reduction = xent::Reduction::none;
+  const Got r = run_cuda(x, targets, DType::bf16, opt, Shape{cols, 0, false});
+  ASSERT_EQ(r.path, "single-pass");
+  EXPECT_NE(r.error.find("targets[41] = " + std::to_string(cols + 41)), std::string::npos)
+      << "message: " << r.error;
+  for (int64_t i = 0; i < rows; ++i) {
+    const bool bad = i >= 41 && (i - 41) % 7 == 0;
+    EXPECT_EQ(std::isnan(r.out.loss[i]), bad) << "row " << i << " loss " << r.out.loss[i];
+    if (bad || targets[i] == opt.ignore_index) {
+      int nonzero = 0;
+      for (int64_t j = 0; j < cols; ++j) nonzero += r.grad.get(i, j) != 0.0;
+      EXPECT_EQ(nonzero, 0) << "row " << i;
+    }
+  }
+}
+
+TEST(SinglePass, PathChoice) {
+  SKIP_WITHOUT_GPU();
+  const xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
+  const auto path = [&](DType d, int64_t cols, xent::Options opt = {}) {
+    return std::string(xent::forward_path(g, xent::LogitsView{nullptr, d, 8, cols, cols}, opt));
+  };
+  // Rows that a warp takes on the two-pass path stay there; rows past the largest block shape
+  // take the two-pass path.
+  EXPECT_EQ(path(DType::bf16, 4096), "two-pass");
+  EXPECT_EQ(path(DType::bf16, 4104), "single-pass");
+  EXPECT_EQ(path(DType::f16, 32768), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 32776), "two-pass");
+  EXPECT_EQ(path(DType::f32, 2048), "two-pass");
+  EXPECT_EQ(path(DType::f32, 2052), "single-pass");
+  EXPECT_EQ(path(DType::f32, 16384), "single-pass");
+  EXPECT_EQ(path(DType::f32, 16388), "two-pass");
+  xent::Options opt;
+  opt.single_pass = false;
+  EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
+  opt = {};
+  opt.grad_mode = xent::GradMode::deferred;
+  EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
+  opt = {};
+  opt.vocab_size = 16000;  // padding columns
+  EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
+  const xent::Group cpu = xent::Group::local(xent::Backend::cpu);
+  EXPECT_STREQ(xent::forward_path(cpu, xent::LogitsView{nullptr, DType::bf16, 8, 16032, 16032},
+                                  xent::Options{}),
+               "two-pass");
+}
+
+}  // namespace
