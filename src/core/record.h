@@ -17,6 +17,7 @@ struct RecordLayout {
 
   static constexpr int kLse = 0;
   static constexpr int kTarget = 1;
+  static constexpr int kMaxFields = 5;  // with the sum and the argmax
 
   static RecordLayout make(bool smoothing, bool accuracy) {
     RecordLayout r;
@@ -57,6 +58,14 @@ struct LocalStats {
   float sum_z = 0.0f;
   ArgMax best;
 };
+
+// Two shares of one rank's row (parts of its columns) as one.
+XENT_HD void merge(LocalStats& a, const LocalStats& b) {
+  a.lse.merge(b.lse);
+  if (b.target_z > a.target_z) a.target_z = b.target_z;
+  a.sum_z += b.sum_z;
+  a.best.merge(b.best);
+}
 
 XENT_HD void write_record(const LocalStats& st, const RecordLayout& L, float* record, int64_t rows,
                           int64_t row) {

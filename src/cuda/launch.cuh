@@ -26,23 +26,37 @@ DeviceInfo device_info();
 // check does not report it again).
 void launch_failed(const char* name, cudaError_t e);
 
-// kernel<<<grid, block, 0, stream>>>(args...), with programmatic stream serialization when `pdl`
-// and the device takes it; reports the launch's own status only (cudaGetLastError here would
-// also report an earlier, unrelated asynchronous error of the caller's as this launch's).
+// kernel<<<grid, block, 0, stream>>>(args...) in clusters of `cluster` blocks (1: none), with
+// programmatic stream serialization when `pdl` and the device takes it; reports the launch's own
+// status only (cudaGetLastError here would also report an earlier, unrelated asynchronous error
+// of the caller's as this launch's).
 template <typename... Params, typename... Args>
-void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block, bool pdl,
-            cudaStream_t stream, Args&&... args) {
+void launch_clusters(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block,
+                     unsigned cluster, bool pdl, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(block);
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl && device_info().pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {cluster, 1, 1};
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl && device_info().pdl ? 1 : 0;
+  cfg.numAttrs = n;
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
   if (e != cudaSuccess) launch_failed(name, e);
+}
+
+template <typename... Params, typename... Args>
+void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block, bool pdl,
+            cudaStream_t stream, Args&&... args) {
+  launch_clusters(name, kernel, grid, block, 1, pdl, stream, std::forward<Args>(args)...);
 }
 
 // f(std::bool_constant<b>{}): a run-time flag as a template argument.

@@ -300,6 +300,15 @@ struct RowTarget {
         error != nullptr)
       report_bad_target(error, targets.data, targets.type, row);
   }
+
+  // The global lse that finalize computes from this row's record when it is the only rank's:
+  // the record built here (one row) and merged as finalize merges it.
+  __device__ __forceinline__ float one_rank_lse(const core::Problem& p,
+                                                const core::LocalStats& st) const {
+    float rec[core::RecordLayout::kMaxFields];
+    core::write_record(st, p.layout, rec, 1, 0);
+    return core::merge_records(rec, 1, p.layout, 1, 0).lse;
+  }
 };
 
 // Whether a row with this target has a gradient (else its gradient row is 0).

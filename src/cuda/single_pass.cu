@@ -1,14 +1,17 @@
-// The single-pass kernel: one rank, fused gradient, each row read from memory once. A block holds
-// its row in registers (kPacks 16-byte packs per thread), takes the row's statistics from them
-// (StatsAgent, as the statistics kernel does), writes its record, and writes the gradient from
-// the same registers (GradAgent). The steps around it are the two-pass path's: count_valid before
-// it (the reduction's scale, from the targets alone) and finalize after it (lse, losses and the
-// reductions from the records). The gradient takes its lse from the row's record through
-// core::merge_records, the very value finalize writes.
+// The single-pass kernel: one rank, fused gradient, each row read from memory once. A row is held
+// in registers (kPacks 16-byte packs per thread) by one block, or for wide rows by a cluster of
+// up to 8 blocks that each hold a part and merge their statistics through distributed shared
+// memory (sm_90). From the registers: the row's statistics (StatsAgent, as the statistics kernel
+// takes them), its record, then the gradient (GradAgent). The steps around it are the two-pass
+// path's: count_valid before it (the reduction's scale, from the targets alone) and finalize
+// after it (lse, losses and the reductions from the records). The gradient takes the lse that
+// finalize computes from the row's record (RowTarget::one_rank_lse).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <string>
+#include <tuple>
 
 #include "backend.h"
 #include "core/dtype.h"
@@ -21,20 +24,17 @@ namespace {
 
 using namespace detail;
 
-// The block shapes, smallest first: kThreads threads holding kPacks packs each. Registers hold
-// the row (32 of them for 8 packs); the launch bounds keep a thread at 64 registers, so that
-// 1024 threads (four or two blocks, 64 to 128 KB of rows in flight) fit an SM.
-template <int Threads, int Packs>
+// The shapes, smallest first: clusters of kBlocks blocks of kThreads threads holding kPacks
+// packs each. Registers hold the row (32 of them for 8 packs); the launch bounds keep a thread
+// at 64 registers, so that 1024 threads (64 to 128 KB of rows in flight) fit an SM.
+template <int Threads, int Packs, int Blocks>
 struct Shape {
   static constexpr int kThreads = Threads;
   static constexpr int kPacks = Packs;
+  static constexpr int kBlocks = Blocks;  // a cluster's, 8 at most (the portable size)
   static constexpr int kMinBlocks = 1024 / Threads;
+  static constexpr int64_t kRowPacks = static_cast<int64_t>(Threads) * Packs * Blocks;
 };
-using SmallShape = Shape<256, 8>;
-using LargeShape = Shape<512, 8>;
-static_assert(SmallShape::kPacks % 4 == 0 && LargeShape::kPacks % 4 == 0,
-              "the statistics take the packs in chunks of 16 elements (2 or 4 packs)");
-
 struct SinglePassPointers {
   float* record;
   int64_t* error;
@@ -49,42 +49,47 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   using Agent = StatsAgent<E, S::kThreads, kVariant>;
   constexpr int kN = Pack<T>::kN;
   __shared__ typename Agent::Storage smem;
+  __shared__ core::LocalStats part;  // this block's share of the row, for its cluster
   __shared__ float row_lse;
   __shared__ int64_t row_target;
   pdl_trigger();
   pdl_wait();
 
-  const int64_t row = blockIdx.x;
+  namespace cg = cooperative_groups;
+  const int rank = S::kBlocks > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int64_t row = blockIdx.x / S::kBlocks;
   const int t = static_cast<int>(threadIdx.x);
   const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
   const int n = static_cast<int>(p.cols);  // all real (single_pass_fits)
   RowTarget<E> rt;
   if (t == 0) rt.fetch(p, targets, row, x, n);
 
-  // The row into registers: pack t + u * kThreads of the aligned body, and one element of the
-  // head and of the tail where this thread has one.
+  // This block's part of the row into registers: packs base + t + u * kThreads of the aligned
+  // body; the unaligned head goes to the first block, the tail to the last, an element a thread.
   const RowSplit s = split_row(x, n);
+  const int base = rank * S::kThreads * S::kPacks;
   const uint4* q = reinterpret_cast<const uint4*>(x + s.head);
   Pack<T> v[S::kPacks];
 #pragma unroll
   for (int u = 0; u < S::kPacks; ++u) {
-    const int i = t + u * S::kThreads;
+    const int i = base + t + u * S::kThreads;
     v[u].v = i < s.nv ? __ldg(q + i) : Agent::fill();
   }
-  const bool has_head = t < s.head;
-  const bool has_tail = t < n - s.tail0;
+  const bool has_head = rank == 0 && t < s.head;
+  const bool has_tail = rank == S::kBlocks - 1 && t < n - s.tail0;
   const T head = has_head ? x[t] : T{};
   const T tail = has_tail ? x[s.tail0 + t] : T{};
 
   // The statistics, in chunks of 16 elements (StatsAgent unpacks a chunk at once: the walk's
   // chunks of 32 two-byte elements would not fit in registers beside the row).
   constexpr int kU = 16 / kN;
+  static_assert(S::kPacks % kU == 0, "whole chunks of 16 elements");
   Agent a(p);
   if (has_head) a.elem(head, t);
   if (has_tail) a.elem(tail, s.tail0 + t);
 #pragma unroll
   for (int j = 0; j < S::kPacks / kU; ++j) {
-    const int i0 = t + j * kU * S::kThreads;
+    const int i0 = base + t + j * kU * S::kThreads;
     if (i0 < s.nv) {
       Chunk<T, kU> c;
 #pragma unroll
@@ -96,51 +101,71 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       a.chunk(c);
     }
   }
-  const core::LocalStats st = a.finish(smem);
-  if (t == 0) {
-    rt.write_record(p, st, a.k, targets, ptr.record, row, ptr.error);
-    row_lse = core::merge_records(ptr.record, 1, p.layout, p.rows, row).lse;
-    row_target = rt.target;
-  }
-  __syncthreads();
-
-  // The gradient, from the registers.
-  T* dx = static_cast<T*>(out.data) + row * out.row_stride;
-  if (!has_gradient(p, row_target)) {
-    RowWalk<T, S::kThreads>::zero(dx, n, t);
-    return;
-  }
-  const GradAgent<E, kCap> grad(p, row_target, row_lse, ptr.scalars[Workspace::kScale]);
-  if (has_head) dx[t] = grad(head, t);
-  if (has_tail) dx[s.tail0 + t] = grad(tail, s.tail0 + t);
-  const bool same_alignment =
-      ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(dx)) & 15u) == 0;
-#pragma unroll
-  for (int u = 0; u < S::kPacks; ++u) {
-    const int i = t + u * S::kThreads;
-    if (i < s.nv) {
-      const int col0 = s.head + i * kN;
-      Pack<T> g;
-#pragma unroll
-      for (int e = 0; e < kN; ++e) g.e[e] = grad(v[u].e[e], col0 + e);
-      if (same_alignment) {
-        reinterpret_cast<uint4*>(dx + s.head)[i] = g.v;
-      } else {  // a separate gradient buffer whose rows sit differently modulo 16 bytes
-#pragma unroll
-        for (int e = 0; e < kN; ++e) dx[col0 + e] = g.e[e];
-      }
+  core::LocalStats st = a.finish(smem);
+  if constexpr (S::kBlocks > 1) {
+    // Every block merges the cluster's parts in rank order: the same statistics in each.
+    if (t == 0) part = st;
+    cg::this_cluster().sync();
+    if (t == 0) {
+      st = *cg::this_cluster().map_shared_rank(&part, 0);
+      for (int r = 1; r < S::kBlocks; ++r)
+        core::merge(st, *cg::this_cluster().map_shared_rank(&part, r));
     }
   }
+  if (t == 0) {
+    if (rank == 0) rt.write_record(p, st, a.k, targets, ptr.record, row, ptr.error);
+    row_lse = rt.one_rank_lse(p, st);
+    row_target = rt.target;
+  }
+  if constexpr (S::kBlocks > 1)
+    cg::this_cluster().sync();  // and no block leaves while another reads its part
+  else
+    __syncthreads();
+
+  // This block's part of the gradient, from the registers (0 for a row without one).
+  T* dx = static_cast<T*>(out.data) + row * out.row_stride;
+  const bool same_alignment =
+      ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(dx)) & 15u) == 0;
+  const auto write = [&](const auto& f) {
+    if (has_head) dx[t] = f(head, t);
+    if (has_tail) dx[s.tail0 + t] = f(tail, s.tail0 + t);
+#pragma unroll
+    for (int u = 0; u < S::kPacks; ++u) {
+      const int i = base + t + u * S::kThreads;
+      if (i < s.nv) {
+        const int col0 = s.head + i * kN;
+        Pack<T> g;
+#pragma unroll
+        for (int e = 0; e < kN; ++e) g.e[e] = f(v[u].e[e], col0 + e);
+        if (same_alignment) {
+          reinterpret_cast<uint4*>(dx + s.head)[i] = g.v;
+        } else {  // a separate gradient buffer whose rows sit differently modulo 16 bytes
+#pragma unroll
+          for (int e = 0; e < kN; ++e) dx[col0 + e] = g.e[e];
+        }
+      }
+    }
+  };
+  if (has_gradient(p, row_target))
+    write(GradAgent<E, kCap>(p, row_target, row_lse, ptr.scalars[Workspace::kScale]));
+  else
+    write([](T, int) { return T{}; });
 }
 
-// f(shape) for the smallest shape whose registers hold a row of `cols` elements of type T.
-template <typename T, typename F>
-void dispatch_shape(int64_t cols, F&& f) {
-  constexpr int kN = Pack<T>::kN;
-  if (cols <= static_cast<int64_t>(SmallShape::kThreads) * SmallShape::kPacks * kN)
-    f(SmallShape{});
+// f(shape) for the smallest shape that holds a row of `cols` elements of type T.
+using Shapes = std::tuple<Shape<256, 8, 1>, Shape<512, 8, 1>, Shape<512, 8, 2>, Shape<512, 8, 4>,
+                          Shape<512, 8, 8>>;
+constexpr int64_t kLargestRowPacks = std::tuple_element_t<4, Shapes>::kRowPacks;
+
+template <size_t I = 0, typename F>
+void dispatch_shape(int64_t packs, F&& f) {
+  using S = std::tuple_element_t<I, Shapes>;
+  if constexpr (I + 1 == std::tuple_size_v<Shapes>)
+    f(S{});
+  else if (packs <= S::kRowPacks)
+    f(S{});
   else
-    f(LargeShape{});
+    dispatch_shape<I + 1>(packs, std::forward<F>(f));
 }
 
 }  // namespace
@@ -150,7 +175,7 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
   const int64_t n = static_cast<int64_t>(16 / dtype_size(dtype));  // elements per pack
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
   const bool block_row = p.cols / n > RowPolicy::kWarpRowPacks;
-  return block_row && p.cols <= static_cast<int64_t>(LargeShape::kThreads) * LargeShape::kPacks * n;
+  return block_row && p.cols <= kLargestRowPacks * n;
 }
 
 void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
@@ -160,19 +185,24 @@ void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsV
   if (out.data != in.data) check_shape(p, out, "grad");
   if (!single_pass_fits(p, in.dtype))
     fail("the single-pass kernel cannot hold rows of " + std::to_string(p.cols) + " columns");
-  if (p.rows > INT_MAX)
-    fail("logits.rows = " + std::to_string(p.rows) + " is too many rows for one launch");
+  const int64_t packs = p.cols / (16 / static_cast<int64_t>(dtype_size(in.dtype)));
+  unsigned grid = 0;
+  dispatch_shape(packs, [&](auto shape) {
+    if (p.rows > INT_MAX / decltype(shape)::kBlocks)
+      fail("logits.rows = " + std::to_string(p.rows) + " is too many rows for one launch");
+    grid = static_cast<unsigned>(p.rows * decltype(shape)::kBlocks);
+  });
   const SinglePassPointers ptr{record, error, scalars};
   const Variant v = variant_of(p);
   core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
-    dispatch_shape<typename E::type>(p.cols, [&](auto shape) {
+    dispatch_shape(packs, [&](auto shape) {
+      using S = decltype(shape);
       dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
         const auto go = [&](auto variant) {
-          launch("xent single-pass kernel",
-                 single_pass_kernel<E, decltype(shape), variant(), cap()>,
-                 static_cast<unsigned>(p.rows), decltype(shape)::kThreads, p.programmatic_launch,
-                 stream, p, in, out, targets, ptr);
+          launch_clusters("xent single-pass kernel", single_pass_kernel<E, S, variant(), cap()>,
+                          grid, S::kThreads, S::kBlocks, p.programmatic_launch, stream, p, in, out,
+                          targets, ptr);
         };
         using V = Variant;
         // Only the pairs that occur: plain has no cap, capped always one.

@@ -1,8 +1,9 @@
 // The single-pass path (one rank, fused, rows held on chip: Options::single_pass) against the
 // fp64 reference with the same bounds as the two-pass path, and the two-pass fallback forced
 // (single_pass = false) on the same inputs: every statistics variant, row widths on both block
-// shapes and unaligned row strides, the gradient over the logits or into a buffer aligned
-// differently, ignored and out-of-range targets; and forward_path's choice at the edges.
+// shapes (clusters of blocks for wide rows) and unaligned row strides, the gradient over the logits
+// or into a buffer aligned differently, ignored and out-of-range targets; and forward_path's choice
+// at the edges.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <xent/xent.h>
@@ -105,17 +106,18 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
   SKIP_WITHOUT_GPU();
   for (DType d : {DType::bf16, DType::f16, DType::f32}) {
     const bool wide = d != DType::f32;  // 8 or 4 elements per 16-byte pack
-    // The small block shape, the large one near its end, an unaligned stride, a separate buffer.
-    const Shape setups[] = {{wide ? 4105 : 2053, 0, false},
-                            {wide ? 9000 : 4500, 3, false},
-                            {wide ? 32760 : 16380, 1, true},
-                            {wide ? 20000 : 10000, 0, true}};
+    // Each shape (a block of 256 or 512 threads, clusters of 2, 4 and 8), near their ends, with
+    // unaligned strides and a separate gradient buffer.
+    const Shape setups[] = {{wide ? 4105 : 2053, 0, false},     {wide ? 9000 : 4500, 3, false},
+                            {wide ? 32760 : 16380, 1, true},    {wide ? 20000 : 10000, 0, true},
+                            {wide ? 40000 : 20000, 1, false},   {wide ? 128256 : 64128, 0, true},
+                            {wide ? 262141 : 131069, 3, false}, {wide ? 200000 : 100000, 0, false}};
     for (const Shape& s : setups)
       for (const Variant& v : kVariants) {
         SCOPED_TRACE(std::string(v.name) + " " + xent::to_string(d) + " cols " +
                      std::to_string(s.cols) + " stride +" + std::to_string(s.stride_extra) +
                      (s.separate_grad ? " separate grad" : " in place"));
-        const int64_t rows = 24;
+        const int64_t rows = s.cols > 50000 ? 6 : 24;
         xtest::Matrix x = xtest::random_logits(rows, s.cols, 5 + s.cols, d, v.sigma);
         x.at(1, 3) = xtest::round_to(d, 6e4);
         x.at(2, s.cols - 1) = xtest::round_to(d, 5.0 * v.sigma);
@@ -176,12 +178,13 @@ TEST(SinglePass, PathChoice) {
   // take the two-pass path.
   EXPECT_EQ(path(DType::bf16, 4096), "two-pass");
   EXPECT_EQ(path(DType::bf16, 4104), "single-pass");
-  EXPECT_EQ(path(DType::f16, 32768), "single-pass");
-  EXPECT_EQ(path(DType::bf16, 32776), "two-pass");
+  EXPECT_EQ(path(DType::f16, 32776), "single-pass");  // a cluster of blocks
+  EXPECT_EQ(path(DType::bf16, 262144), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 262152), "two-pass");
   EXPECT_EQ(path(DType::f32, 2048), "two-pass");
   EXPECT_EQ(path(DType::f32, 2052), "single-pass");
-  EXPECT_EQ(path(DType::f32, 16384), "single-pass");
-  EXPECT_EQ(path(DType::f32, 16388), "two-pass");
+  EXPECT_EQ(path(DType::f32, 131072), "single-pass");
+  EXPECT_EQ(path(DType::f32, 131076), "two-pass");
   xent::Options opt;
   opt.single_pass = false;
   EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
