@@ -80,10 +80,11 @@ struct Options {
   // scheduled while the previous one in the stream drains (about 1 % of a step at small
   // shards); false launches them one after another.
   bool programmatic_launch = true;
-  // CUDA backend, one rank, grad_mode fused: read each row once where its block can hold it on
-  // chip (rows of 4097 to 32768 columns of 2-byte logits, 2049 to 16384 of float32, no padding
-  // columns): statistics and gradient in one kernel. false takes the two-pass path (statistics,
-  // then gradient), as every other case does. forward_path() says which one a call takes.
+  // CUDA backend, one rank, grad_mode fused: read each row once where it fits on chip (a block's
+  // registers, or a cluster of up to 8 blocks: rows of 4097 to 262144 columns of 2-byte logits,
+  // 2049 to 131072 of float32; with a softcap up to 32768 and 16384; no padding columns):
+  // statistics and gradient in one kernel. false takes the two-pass path (statistics, then
+  // gradient), as every other case does. forward_path() says which one a call takes.
   bool single_pass = true;
 };
 
