@@ -38,7 +38,7 @@ if [ "$ngpu" -ge 2 ]; then
 fi
 [ "${XENT_SANITIZE:-1}" = 0 ] && exit $status
 echo "== compute-sanitizer"
-subset=CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.OutOfPlaceBackwardMatchesCpu:CudaBackend.FinalizeBlocksReuseOneGroup
+subset=CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.OutOfPlaceBackwardMatchesCpu:CudaBackend.FinalizeBlocksReuseOneGroup:CudaReference.*:SinglePass.*
 for tool in memcheck racecheck; do
   filter=${XENT_SANITIZE_FILTER:-$subset}
   # TwoRanksMatchCpu runs two ranks as host threads that wait for each other: under racecheck,

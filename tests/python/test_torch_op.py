@@ -538,3 +538,27 @@ def test_one_rank_layout_with_a_gap_is_refused(device, layout):
     t = torch.tensor([0, 2, 5, 9], device=device)
     with pytest.raises(RuntimeError, match="vocab_start = |vocab_size = 20"):
         xent.vocab_parallel_cross_entropy(x, t, reduction="none", **layout)
+
+
+@pytest.mark.parametrize("inplace_grad", [False, True], ids=["copy", "inplace"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("cols", [5000, 40000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_wide_rows_match_torch(device, dtype, cols, reduction, inplace_grad):
+    """Rows wide enough for the CUDA single-pass path (one block; a cluster of blocks at 40000
+    columns), [seq, batch, cols] logits, against float64 F.cross_entropy."""
+    g = torch.Generator().manual_seed(cols)
+    source = random_logits((S, B, cols), dtype, device, seed=cols).requires_grad_()
+    target = torch.randint(0, cols, (S, B), generator=g)
+    target.view(-1)[2::7] = IGNORE
+    target = target.to(device)
+    grad_output = grad_output_for(reduction, target.shape, device)
+    want_loss, want_grad = reference(source, lambda x: x, target, grad_output,
+                                     reduction=reduction)
+    logits = source * 1.0 if inplace_grad else source
+    loss = xent.vocab_parallel_cross_entropy(logits, target, reduction=reduction,
+                                             inplace_grad=inplace_grad)
+    assert_close(loss, want_loss, LOSS_RTOL, "loss")
+    loss.backward(grad_output)
+    assert_close(source.grad, want_grad, grad_rtol(dtype), "gradient")
