@@ -97,6 +97,7 @@ const char* forward_path(const Group& group, LogitsView logits, const Options& o
   LogitsView shape = logits;
   shape.rows = 0;
   const core::Problem p = core::make_problem(shape, TargetsView{nullptr, IndexType::i64, 0}, opt);
+  const DeviceScope on_device(group);  // the choice reads the device's compute capability
   return takes_single_pass(group, p, logits.dtype, opt) ? "single-pass" : "two-pass";
 }
 

@@ -82,7 +82,8 @@ struct Options {
   bool programmatic_launch = true;
   // CUDA backend, one rank, grad_mode fused: read each row once where it fits on chip (a block's
   // registers, or a cluster of up to 8 blocks: rows of 4097 to 262144 columns of 2-byte logits,
-  // 2049 to 131072 of float32; with a softcap up to 32768 and 16384; no padding columns):
+  // 2049 to 131072 of float32; with a softcap, or before compute capability 9.0, up to 32768
+  // and 16384; no padding columns):
   // statistics and gradient in one kernel. false takes the two-pass path (statistics, then
   // gradient), as every other case does. forward_path() says which one a call takes.
   bool single_pass = true;

@@ -14,11 +14,12 @@
 
 namespace xent::cuda::detail {
 
-// What the launches need of the current device: its multiprocessors, and whether it takes
-// programmatic dependent launch (compute capability 9.0 and newer).
+// What the launches need of the current device: its multiprocessors, and whether it is of
+// compute capability 9.0 or newer, which programmatic dependent launch and thread-block clusters
+// need.
 struct DeviceInfo {
   int sms;
-  bool pdl;
+  bool pdl;  // and clusters
 };
 DeviceInfo device_info();
 

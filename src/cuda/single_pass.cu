@@ -35,6 +35,31 @@ struct Shape {
   static constexpr int kMinBlocks = 1024 / Threads;
   static constexpr int64_t kRowPacks = static_cast<int64_t>(Threads) * Packs * Blocks;
 };
+// A cluster's calls, from sm_90 on (single_pass_fits picks no cluster shape below it; the
+// fallbacks only keep other architectures compiling).
+__device__ __forceinline__ int cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#else
+  return 0;
+#endif
+}
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __syncthreads();
+#endif
+}
+template <typename V>
+__device__ __forceinline__ const V& in_block(const V& v, int rank) {  // v in block `rank`'s smem
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return *cooperative_groups::this_cluster().map_shared_rank(&v, rank);
+#else
+  return v;
+#endif
+}
+
 struct SinglePassPointers {
   float* record;
   int64_t* error;
@@ -55,8 +80,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   pdl_trigger();
   pdl_wait();
 
-  namespace cg = cooperative_groups;
-  const int rank = S::kBlocks > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int rank = S::kBlocks > 1 ? cluster_rank() : 0;
   const int64_t row = blockIdx.x / S::kBlocks;
   const int t = static_cast<int>(threadIdx.x);
   const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
@@ -105,11 +129,10 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   if constexpr (S::kBlocks > 1) {
     // Every block merges the cluster's parts in rank order: the same statistics in each.
     if (t == 0) part = st;
-    cg::this_cluster().sync();
+    cluster_sync();
     if (t == 0) {
-      st = *cg::this_cluster().map_shared_rank(&part, 0);
-      for (int r = 1; r < S::kBlocks; ++r)
-        core::merge(st, *cg::this_cluster().map_shared_rank(&part, r));
+      st = in_block(part, 0);
+      for (int r = 1; r < S::kBlocks; ++r) core::merge(st, in_block(part, r));
     }
   }
   if (t == 0) {
@@ -118,7 +141,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     row_target = rt.target;
   }
   if constexpr (S::kBlocks > 1)
-    cg::this_cluster().sync();  // and no block leaves while another reads its part
+    cluster_sync();  // and no block leaves while another reads its part
   else
     __syncthreads();
 
@@ -160,11 +183,12 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 using Shapes = std::tuple<Shape<256, 8, 1>, Shape<512, 8, 1>, Shape<512, 8, 2>, Shape<512, 8, 4>,
                           Shape<512, 8, 8>>;
 constexpr int64_t kLargestRowPacks = std::tuple_element_t<4, Shapes>::kRowPacks;
-// With a softcap a block's compute between its loads and its stores is long (three MUFU
-// operations per element in each phase), and a cluster's blocks wait for one another besides:
+// The widest row one block holds: the limit below compute capability 9.0 (no clusters), and
+// with a softcap. With a softcap a block's compute between its loads and its stores is long (three
+// MUFU operations per element in each phase), and a cluster's blocks wait for one another besides:
 // on H100, 8192 x 256000 bf16 with softcap 30 took 5.05 ms in clusters of 8 against 4.33 ms on
 // the two-pass path, while rows that one block holds gained (8192 x 32064: 0.488 against 0.560).
-constexpr int64_t kLargestCappedRowPacks = std::tuple_element_t<1, Shapes>::kRowPacks;
+constexpr int64_t kLargestBlockRowPacks = std::tuple_element_t<1, Shapes>::kRowPacks;
 
 template <size_t I = 0, typename F>
 void dispatch_shape(int64_t packs, F&& f) {
@@ -184,7 +208,8 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
   const int64_t n = static_cast<int64_t>(16 / dtype_size(dtype));  // elements per pack
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
   const bool block_row = p.cols / n > RowPolicy::kWarpRowPacks;
-  const int64_t most = p.softcap > 0.0f ? kLargestCappedRowPacks : kLargestRowPacks;
+  const bool clusters = device_info().pdl;  // compute capability 9.0 and newer
+  const int64_t most = p.softcap > 0.0f || !clusters ? kLargestBlockRowPacks : kLargestRowPacks;
   return block_row && p.cols <= most * n;
 }
 
