@@ -180,30 +180,24 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   }
   check_placement(group, opt, logits.data, "logits.data");
   check_placement(group, opt, targets.data, "targets.data");
-  if (takes_single_pass(group, p, logits.dtype, opt)) {
-    // The outputs (the gradient's buffer among them) before the one pass that writes them.
+  // Single pass: the reduction's scale first, and the outputs (the gradient's buffer among them)
+  // before the one pass that writes them. Two passes: the statistics and their exchange first.
+  const bool single = takes_single_pass(group, p, logits.dtype, opt);
+  if (single) {
     cuda::count_valid(p, targets, ws.scalars, stream);
-    const Outputs out = take_outputs();
-    check_placement(group, opt, out.loss, "outputs.loss");
-    check_placement(group, opt, out.lse, "outputs.lse");
-    check_placement(group, opt, out.grad.data, "outputs.grad.data");
-    const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
-    cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
-    cuda::finalize(p, targets, ws.recv, 1, out, out.lse ? out.lse : ws.lse, ws.scalars, ws.partials,
-                   stream);
-    return;
+  } else {
+    cuda::stats(p, logits, targets, ws.send, ws.error, stream);
+    if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
   }
-  cuda::stats(p, logits, targets, ws.send, ws.error, stream);
-  if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
-
   const Outputs out = take_outputs();
   check_placement(group, opt, out.loss, "outputs.loss");
   check_placement(group, opt, out.lse, "outputs.lse");
   check_placement(group, opt, out.grad.data, "outputs.grad.data");
   const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
   float* lse = out.lse ? out.lse : ws.lse;
+  if (single) cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
-  if (opt.grad_mode == GradMode::fused)
+  if (!single && opt.grad_mode == GradMode::fused)
     cuda::gradient(p, logits, grad, targets, lse, ws.scalars, nullptr, stream);
 }
 

@@ -190,6 +190,11 @@ constexpr int64_t kLargestRowPacks = std::tuple_element_t<4, Shapes>::kRowPacks;
 // the two-pass path, while rows that one block holds gained (8192 x 32064: 0.488 against 0.560).
 constexpr int64_t kLargestBlockRowPacks = std::tuple_element_t<1, Shapes>::kRowPacks;
 
+// 16-byte packs in a row of p's columns.
+int64_t row_packs(const core::Problem& p, DType dtype) {
+  return p.cols / static_cast<int64_t>(16 / dtype_size(dtype));
+}
+
 template <size_t I = 0, typename F>
 void dispatch_shape(int64_t packs, F&& f) {
   using S = std::tuple_element_t<I, Shapes>;
@@ -207,7 +212,7 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
   if (p.real_cols != p.cols) return false;  // padding columns: the two-pass path
   const int64_t n = static_cast<int64_t>(16 / dtype_size(dtype));  // elements per pack
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
-  const bool block_row = p.cols / n > RowPolicy::kWarpRowPacks;
+  const bool block_row = row_packs(p, dtype) > RowPolicy::kWarpRowPacks;
   const bool clusters = device_info().pdl;  // compute capability 9.0 and newer
   const int64_t most = p.softcap > 0.0f || !clusters ? kLargestBlockRowPacks : kLargestRowPacks;
   return block_row && p.cols <= most * n;
@@ -218,21 +223,19 @@ void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsV
   if (p.rows == 0) return;
   check_shape(p, in);
   if (out.data != in.data) check_shape(p, out, "grad");
-  if (!single_pass_fits(p, in.dtype))
+  // api.cpp asked single_pass_fits; a row past the largest shape would be left half written.
+  const int64_t packs = row_packs(p, in.dtype);
+  if (packs > kLargestRowPacks)
     fail("the single-pass kernel cannot hold rows of " + std::to_string(p.cols) + " columns");
-  const int64_t packs = p.cols / (16 / static_cast<int64_t>(dtype_size(in.dtype)));
-  unsigned grid = 0;
-  dispatch_shape(packs, [&](auto shape) {
-    if (p.rows > INT_MAX / decltype(shape)::kBlocks)
-      fail("logits.rows = " + std::to_string(p.rows) + " is too many rows for one launch");
-    grid = static_cast<unsigned>(p.rows * decltype(shape)::kBlocks);
-  });
   const SinglePassPointers ptr{record, error, scalars};
   const Variant v = variant_of(p);
   core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
     dispatch_shape(packs, [&](auto shape) {
       using S = decltype(shape);
+      if (p.rows > INT_MAX / S::kBlocks)
+        fail("logits.rows = " + std::to_string(p.rows) + " is too many rows for one launch");
+      const auto grid = static_cast<unsigned>(p.rows * S::kBlocks);
       dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
         const auto go = [&](auto variant) {
           launch_clusters("xent single-pass kernel", single_pass_kernel<E, S, variant(), cap()>,
