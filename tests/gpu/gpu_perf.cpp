@@ -1,6 +1,7 @@
 // Timing driver for the CUDA backend (not a test). bf16, N = 8192 (or argv[1]), mean reduction,
-// softcap 0 (or argv[2]: 30 is Gemma 2's), V_local in {16032, 32064, 128256}, both grad modes, through the public API, timed with CUDA
-// events; the device-to-device copy bandwidth is measured in the same run. Prints:
+// softcap 0 (or argv[2]: 30 is Gemma 2's), V_local in {16032, 32064, 128256}, both grad modes,
+// through the public API, timed with CUDA events; the device-to-device copy bandwidth is measured
+// in the same run. Prints:
 //   - forward + backward time against the 3-pass roofline 3 * N * V * 2 bytes / copy_bw
 //     (copy_bw counts bytes read + written),
 //   - each kernel alone (stats, finalize, gradient) and the stats kernel's read rate against the

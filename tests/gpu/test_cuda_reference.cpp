@@ -14,47 +14,11 @@
 
 #include "cuda_test.h"
 #include "harness.h"
+#include "one_rank.h"
 
 namespace {
 
 using xent::DType;
-using xtest::gpu::DevBuf;
-
-struct GpuRun {
-  xtest::GotOutputs got;
-  xtest::HostLogits grad;
-};
-
-// forward (fused gradient) of one rank on the GPU; the outputs and the gradient come back.
-GpuRun run_cuda(const xtest::Matrix& x, const std::vector<int64_t>& targets, DType dtype,
-             const xent::Options& opt) {
-  const int64_t n = x.rows;
-  const size_t nloss = opt.reduction == xent::Reduction::none ? static_cast<size_t>(n) : 1;
-  GpuRun r;
-  r.grad = xtest::make_shard(x, 0, x.cols, dtype);
-  const xtest::HostTargets tg(targets, xent::IndexType::i64);
-  DevBuf d_x(r.grad.bytes.size()), d_t(tg.bytes()), d_loss(nloss * 4), d_lse(n * 4);
-  d_x.up(r.grad.bytes.data());
-  d_t.up(tg.i64.data());
-  d_loss.poison();
-  d_lse.poison();
-  xent::LogitsView lv = r.grad.view();
-  lv.data = d_x.p;
-  xent::TargetsView tv = tg.view();
-  tv.data = d_t.p;
-  xent::Outputs out;
-  out.loss = static_cast<float*>(d_loss.p);
-  out.lse = static_cast<float*>(d_lse.p);
-  xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
-  xent::forward(g, lv, tv, opt, out);
-  xtest::gpu::ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  r.got.loss.resize(nloss);
-  r.got.lse.resize(n);
-  d_loss.down(r.got.loss.data());
-  d_lse.down(r.got.lse.data());
-  d_x.down(r.grad.bytes.data());
-  return r;
-}
 
 struct Variant {
   const char* name;
@@ -91,8 +55,9 @@ TEST(CudaReference, EveryStatsVariantMatchesFp64) {
         opt.label_smoothing = v.label_smoothing;
         opt.reduction = xent::Reduction::none;
         const xtest::RefResult ref = xtest::reference(x, targets, xtest::ref_options(opt, cols));
-        const GpuRun r = run_cuda(x, targets, d, opt);
-        xtest::expect_outputs(r.got, ref, targets, xtest::ref_options(opt, cols));
+        const xtest::gpu::OneRankRun r =
+            xtest::gpu::run_one_rank(x, targets, d, opt, {cols, 0, false});
+        xtest::expect_outputs(r.out, ref, targets, xtest::ref_options(opt, cols));
         // The reduction of Reduction::none is the caller's; the gradient's row scale is 1.
         EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0));
       }
@@ -115,12 +80,13 @@ TEST(CudaReference, NanLogitMakesItsRowNan) {
         opt.softcap = v.softcap;
         opt.label_smoothing = v.label_smoothing;
         opt.reduction = xent::Reduction::none;
-        const GpuRun r = run_cuda(x, targets, d, opt);
+        const xtest::gpu::OneRankRun r =
+            xtest::gpu::run_one_rank(x, targets, d, opt, {cols, 0, false});
         for (int64_t i = 0; i < rows; ++i) {
           const bool poisoned = i == 2 || i == 5;
-          EXPECT_EQ(std::isnan(r.got.lse[i]), poisoned) << "row " << i << " lse " << r.got.lse[i];
-          EXPECT_EQ(std::isnan(r.got.loss[i]), poisoned)
-              << "row " << i << " loss " << r.got.loss[i];
+          EXPECT_EQ(std::isnan(r.out.lse[i]), poisoned) << "row " << i << " lse " << r.out.lse[i];
+          EXPECT_EQ(std::isnan(r.out.loss[i]), poisoned)
+              << "row " << i << " loss " << r.out.loss[i];
         }
       }
 }

@@ -14,78 +14,13 @@
 
 #include "cuda_test.h"
 #include "harness.h"
+#include "one_rank.h"
 
 namespace {
 
 using xent::DType;
-using xtest::gpu::DevBuf;
-
-struct Shape {
-  int64_t cols;
-  int64_t stride_extra;  // elements between rows beyond cols (unaligned rows when odd)
-  bool separate_grad;    // Outputs::grad, one element off the logits' alignment
-};
-
-struct Got {
-  xtest::GotOutputs out;
-  xtest::HostLogits grad;
-  std::string path;
-  std::string error;  // check_errors' message, "" if none
-};
-
-Got run_cuda(const xtest::Matrix& x, const std::vector<int64_t>& targets, DType dtype,
-             const xent::Options& opt, const Shape& s) {
-  const int64_t n = x.rows;
-  const size_t nloss = opt.reduction == xent::Reduction::none ? static_cast<size_t>(n) : 1;
-  const double gap = 77.0;  // the stride gap of the gradient's buffer must keep it
-  Got r;
-  xtest::HostLogits logits = xtest::make_shard(x, 0, x.cols, dtype, x.cols + s.stride_extra, gap);
-  r.grad = s.separate_grad ? xtest::make_shard(x, 0, x.cols, dtype, x.cols + 5, gap) : logits;
-  const xtest::HostTargets tg(targets, xent::IndexType::i64);
-  // One element more than the buffer, so that the separate gradient can start one element in.
-  const size_t esz = xent::dtype_size(dtype);
-  DevBuf d_x(logits.bytes.size()), d_g(r.grad.bytes.size() + esz), d_t(tg.bytes()),
-      d_loss(nloss * 4), d_lse(n * 4);
-  d_x.up(logits.bytes.data());
-  d_t.up(tg.i64.data());
-  d_loss.poison();
-  d_lse.poison();
-  char* g_data = static_cast<char*>(d_g.p) + esz;
-  xtest::gpu::ck(
-      cudaMemcpy(g_data, r.grad.bytes.data(), r.grad.bytes.size(), cudaMemcpyHostToDevice),
-      "cudaMemcpy");
-  xent::LogitsView lv = logits.view();
-  lv.data = d_x.p;
-  xent::TargetsView tv = tg.view();
-  tv.data = d_t.p;
-  xent::Outputs out;
-  out.loss = static_cast<float*>(d_loss.p);
-  out.lse = static_cast<float*>(d_lse.p);
-  if (s.separate_grad) {
-    out.grad = r.grad.view();
-    out.grad.data = g_data;
-  }
-  xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
-  r.path = xent::forward_path(g, lv, opt);
-  xent::forward(g, lv, tv, opt, out);
-  xtest::gpu::ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  try {
-    g.check_errors(nullptr);
-  } catch (const xent::Error& e) {
-    r.error = e.what();
-  }
-  r.out.loss.resize(nloss);
-  r.out.lse.resize(n);
-  d_loss.down(r.out.loss.data());
-  d_lse.down(r.out.lse.data());
-  if (s.separate_grad)
-    xtest::gpu::ck(
-        cudaMemcpy(r.grad.bytes.data(), g_data, r.grad.bytes.size(), cudaMemcpyDeviceToHost),
-        "cudaMemcpy");
-  else
-    d_x.down(r.grad.bytes.data());
-  return r;
-}
+using xtest::gpu::OneRankRun;
+using xtest::gpu::RowShape;
 
 struct Variant {
   const char* name;
@@ -108,11 +43,12 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
     const bool wide = d != DType::f32;  // 8 or 4 elements per 16-byte pack
     // Each shape (a block of 256 or 512 threads, clusters of 2, 4 and 8), near their ends, with
     // unaligned strides and a separate gradient buffer.
-    const Shape setups[] = {{wide ? 4105 : 2053, 0, false},     {wide ? 9000 : 4500, 3, false},
-                            {wide ? 32760 : 16380, 1, true},    {wide ? 20000 : 10000, 0, true},
-                            {wide ? 40000 : 20000, 1, false},   {wide ? 128256 : 64128, 0, true},
-                            {wide ? 262141 : 131069, 3, false}, {wide ? 200000 : 100000, 0, false}};
-    for (const Shape& s : setups)
+    const RowShape setups[] = {
+        {wide ? 4105 : 2053, 0, false},     {wide ? 9000 : 4500, 3, false},
+        {wide ? 32760 : 16380, 1, true},    {wide ? 20000 : 10000, 0, true},
+        {wide ? 40000 : 20000, 1, false},   {wide ? 128256 : 64128, 0, true},
+        {wide ? 262141 : 131069, 3, false}, {wide ? 200000 : 100000, 0, false}};
+    for (const RowShape& s : setups)
       for (const Variant& v : kVariants) {
         SCOPED_TRACE(std::string(v.name) + " " + xent::to_string(d) + " cols " +
                      std::to_string(s.cols) + " stride +" + std::to_string(s.stride_extra) +
@@ -133,7 +69,7 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
         for (bool single : {true, false}) {
           SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
           opt.single_pass = single;
-          const Got r = run_cuda(x, targets, d, opt, s);
+          const OneRankRun r = xtest::gpu::run_one_rank(x, targets, d, opt, s);
           // With a softcap, rows wider than one block's take the two-pass path.
           const bool capped_wide = v.softcap > 0.0f && s.cols > (wide ? 32768 : 16384);
           EXPECT_EQ(r.path, single && !capped_wide ? "single-pass" : "two-pass");
@@ -155,7 +91,8 @@ TEST(SinglePass, BadTargetIsReported) {
   for (int64_t r = 41; r < rows; r += 7) targets[r] = (r % 2) ? cols + r : -3 - r;
   xent::Options opt;
   opt.reduction = xent::Reduction::none;
-  const Got r = run_cuda(x, targets, DType::bf16, opt, Shape{cols, 0, false});
+  const OneRankRun r =
+      xtest::gpu::run_one_rank(x, targets, DType::bf16, opt, RowShape{cols, 0, false});
   ASSERT_EQ(r.path, "single-pass");
   EXPECT_NE(r.error.find("targets[41] = " + std::to_string(cols + 41)), std::string::npos)
       << "message: " << r.error;
