@@ -208,7 +208,8 @@ void backward(const Group& group, LogitsView logits, TargetsView targets, const 
     return;
   }
   const core::Problem p = core::make_problem(logits, targets, opt);
-  if (grad_output == nullptr || p.rows == 0) return;  // the gradient is already final
+  // The gradient is already final: for grad_output = 1 (null) where grad_scale is 1.
+  if (p.rows == 0 || (grad_output == nullptr && p.grad_scale == 1.0f)) return;
   const DeviceScope on_device(group);
   if (group.backend() == Backend::cpu)
     cpu::scale_rows(p, logits, grad_output);

@@ -28,7 +28,7 @@ struct Workspace {
   // (loss as the bits of a double, valid rows, correct rows). CUDA only.
   unsigned long long* partials = nullptr;
 
-  static constexpr int kScale = 0;  // the reduction's scale: 1 / valid rows, or 1
+  static constexpr int kScale = 0;  // the gradient's: 1 / valid rows or 1, times grad_scale
   static constexpr int kValid = 1;  // number of non-ignored rows
   static constexpr int kScalars = 8;
   static constexpr int kPartials = 256;  // at most this many finalize blocks
@@ -56,7 +56,8 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
 // else they do not overlap.
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
               const float* lse, const float* scalars, const float* grad_output);
-// Fused backward: multiplies each row of the gradient by grad_output where it is not 1.
+// Fused backward: multiplies each row of the gradient by grad_output / grad_scale where that is
+// not 1 (core::fused_backward_factor; grad_output null means 1).
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output);
 // Counts non-ignored rows into scalars[kValid] and sets scalars[kScale] (deferred backward).
 void count_valid(const core::Problem& p, TargetsView targets, float* scalars);

@@ -78,6 +78,42 @@ TEST(Api, MakeOutputsMatchesOutputs) {
   EXPECT_EQ(a.bytes, b.bytes);  // the fused gradient, over the logits
 }
 
+// grad_scale 0.5 (a power of two, so every step is exact in bf16): forward writes half the plain
+// fused gradient; a backward with grad_output 0.5 leaves it as it is; backward with grad_output
+// null (1) doubles it back to the plain gradient, bit for bit.
+TEST(Api, GradScaleIsFoldedIntoTheFusedGradient) {
+  const int64_t n = 6, v = 20;
+  const xtest::Matrix x = xtest::random_logits(n, v, 5, xent::DType::bf16);
+  const std::vector<int64_t> t = {0, 19, 7, -100, 3, 11};
+  xtest::HostTargets tg{t, xent::IndexType::i64};
+  xent::Group g = xent::Group::local(xent::Backend::cpu);
+  xent::Options plain, scaled;
+  scaled.grad_scale = 0.5f;
+  std::vector<float> loss_a(1), loss_b(1);
+  xtest::HostLogits a = xtest::make_shard(x, 0, v, xent::DType::bf16);
+  xtest::HostLogits b = xtest::make_shard(x, 0, v, xent::DType::bf16);
+  xent::Outputs out_a, out_b;
+  out_a.loss = loss_a.data();
+  out_b.loss = loss_b.data();
+  xent::forward(g, a.view(), tg.view(), plain, out_a);
+  xent::forward(g, b.view(), tg.view(), scaled, out_b);
+  EXPECT_EQ(loss_a[0], loss_b[0]) << "grad_scale must not change the loss";
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < v; ++j) {
+      EXPECT_EQ(b.get(i, j), 0.5 * a.get(i, j)) << "row " << i << " column " << j;
+      nonzero += a.get(i, j) != 0.0 ? 1 : 0;
+    }
+  }
+  EXPECT_GT(nonzero, 0);
+  const xtest::HostLogits forward_b = b;
+  const float same = 0.5f;
+  xent::backward(g, b.view(), tg.view(), nullptr, &same, scaled);
+  EXPECT_TRUE(xtest::same_bytes(b, forward_b)) << "grad_output == grad_scale: nothing to do";
+  xent::backward(g, b.view(), tg.view(), nullptr, nullptr, scaled);
+  EXPECT_TRUE(xtest::same_bytes(b, a)) << "grad_output 1: the plain gradient";
+}
+
 // The exchanged record grows only with the options that need more statistics.
 TEST(Api, RecordBytes) {
   xent::Options plain;

@@ -124,6 +124,29 @@ TEST(Errors, NegativeSoftcap) {
 
 // A target outside [0, V) that is not ignore_index: forward throws (CPU backend), naming the
 // row and the value; the same for a negative target that is not ignore_index.
+// grad_scale: finite and > 0, and fused only; each refusal names the value and the rule.
+TEST(Errors, GradScaleNotPositiveOrNotFinite) {
+  for (const float bad : {0.0f, -0.5f, std::nanf(""), INFINITY}) {
+    Fixture f;
+    f.opt.grad_scale = bad;
+    const std::string msg = error_of([&] { f.forward(); });
+    EXPECT_THAT(msg, HasSubstr("grad_scale = "));
+    EXPECT_THAT(msg, HasSubstr("must be finite and > 0"));
+  }
+}
+
+TEST(Errors, GradScaleWithoutFusedGradient) {
+  for (const GradMode mode : {GradMode::deferred, GradMode::none}) {
+    Fixture f;
+    f.opt.grad_mode = mode;
+    f.opt.grad_scale = 0.25f;
+    const std::string msg = error_of([&] { f.forward(); });
+    EXPECT_THAT(msg, HasSubstr("grad_scale = 0.25"));
+    EXPECT_THAT(msg, HasSubstr(xent::to_string(mode)));
+    EXPECT_THAT(msg, HasSubstr("fused only"));
+  }
+}
+
 TEST(Errors, TargetOutOfRange) {
   for (int64_t bad : {int64_t{10}, int64_t{12345}, int64_t{-1}}) {
     Fixture f;

@@ -5,6 +5,7 @@
 
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "harness.h"
 
@@ -70,8 +71,9 @@ using Param = std::tuple<DType, Opts, Reduction>;
 
 class OptionSweep : public ::testing::TestWithParam<Param> {};
 
-// One test = one (dtype, option set, reduction); inside, all three grad modes, and int32 and
-// int64 targets, with a row stride wider than the row (NaN in the gap).
+// One test = one (dtype, option set, reduction); inside, all three grad modes (fused also with a
+// grad_scale of 0.25), and int32 and int64 targets, with a row stride wider than the row (NaN in
+// the gap).
 TEST_P(OptionSweep, MatchesReference) {
   const auto [dtype, opts, red] = GetParam();
   const OptSet s = setup(opts, red);
@@ -80,22 +82,24 @@ TEST_P(OptionSweep, MatchesReference) {
   xtest::Matrix x = xtest::random_logits(N, V + s.pad, seed, dtype);
   const auto targets = xtest::random_targets(N, V, seed, s.p_ignore, s.opt.ignore_index);
 
-  for (GradMode mode : {GradMode::fused, GradMode::deferred, GradMode::none}) {
+  const std::pair<GradMode, float> modes[] = {
+      {GradMode::fused, 1.0f}, {GradMode::fused, 0.25f}, {GradMode::deferred, 1.0f}, {GradMode::none, 1.0f}};
+  for (const auto& [mode, grad_scale] : modes) {
     for (IndexType it : {IndexType::i64, IndexType::i32}) {
-      SCOPED_TRACE(std::string("grad_mode=") +
-                   (mode == GradMode::fused      ? "fused"
-                    : mode == GradMode::deferred ? "deferred"
-                                                 : "none") +
+      SCOPED_TRACE(std::string("grad_mode=") + xent::to_string(mode) +
+                   " grad_scale=" + std::to_string(grad_scale) +
                    (it == IndexType::i32 ? " targets=int32" : " targets=int64"));
       xent::Options opt = s.opt;
       opt.grad_mode = mode;
+      opt.grad_scale = grad_scale;
       if (s.pad > 0) opt.vocab_size = V;
       LocalRun run;
       run.dtype = dtype;
       run.itype = it;
       run.stride_extra = 3;
-      // fused: powers of two (the rescale of the rounded gradient is exact);
-      // deferred: arbitrary (applied before the single rounding)
+      // fused: powers of two (the rescale of the rounded gradient is exact), grad_scale itself
+      // among them (rows left as forward wrote them); deferred: arbitrary (applied before the
+      // single rounding)
       if (red == Reduction::none) {
         run.grad_output.resize(N);
         for (int64_t i = 0; i < N; ++i)
@@ -103,7 +107,7 @@ TEST_P(OptionSweep, MatchesReference) {
                                    ? (i % 3 == 0 ? 0.5 : (i % 3 == 1 ? 1.0 : 0.25))
                                    : 0.3 + 0.1 * (i % 7);
       } else {
-        run.grad_output = {mode == GradMode::fused ? 0.5 : 0.37};
+        run.grad_output = {mode != GradMode::fused ? 0.37 : grad_scale == 1.0f ? 0.5 : 0.25};
       }
       xtest::run_local(x, targets, opt, run);
     }

@@ -29,8 +29,8 @@ enum class Backend { cpu, cuda };
 enum class DType { f32, bf16, f16 };
 enum class IndexType { i32, i64 };
 enum class Reduction { none, mean, sum };
-// fused: forward writes the gradient (for grad_output = 1) into the logits buffer, and backward
-//        only rescales by grad_output where it is not 1.
+// fused: forward writes the gradient (for grad_output = 1, or Options::grad_scale) into the
+//        logits buffer, and backward only rescales rows where grad_output differs from it.
 // deferred: forward leaves the logits untouched; backward reads them once and writes the
 //        gradient once (over the logits, or into a separate buffer), grad_output applied before
 //        the single rounding to the logits' dtype.
@@ -87,6 +87,12 @@ struct Options {
   // statistics and gradient in one kernel. false takes the two-pass path (statistics, then
   // gradient), as every other case does. forward_path() says which one a call takes.
   bool single_pass = true;
+  // grad_mode fused: forward writes the gradient for grad_output = grad_scale (e.g. 1 / the
+  // gradient-accumulation steps, or a loss scale) rather than 1, and backward rescales rows by
+  // grad_output / grad_scale where that is not 1. A backward whose grad_output equals grad_scale
+  // (the loss divided by the same number) then reads and writes nothing. Finite and > 0; must be
+  // 1 with the other grad modes, whose backward applies grad_output in its one pass anyway.
+  float grad_scale = 1.0f;
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.
@@ -191,8 +197,8 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
 const char* forward_path(const Group& group, LogitsView logits, const Options& opt);
 
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
-// fused: `logits` holds forward's gradient; rows are rescaled by grad_output where it is not 1
-//        (decided on the device). deferred: `logits` holds the logits; `lse` is forward's
+// fused: `logits` holds forward's gradient; rows are rescaled by grad_output / grad_scale where
+//        that is not 1 (decided on the device; grad_output null counts as 1). deferred: `logits` holds the logits; `lse` is forward's
 //        Outputs::lse; the gradient overwrites the logits (the out-of-place backward below with
 //        grad = logits). none: throws.
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,

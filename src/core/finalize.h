@@ -45,13 +45,14 @@ XENT_HD RowTotal finalize_row(const Problem& p, const void* targets, IndexType t
 }
 
 // From the totals of all rows: the reduced loss (mean or sum) and the accuracy where asked.
-// Returns the reduction's scale of every row (1 / valid rows for a mean, else 1).
+// Returns the gradient's scale of every row (gradient_scale: the reduction's, times grad_scale).
 XENT_HD float finalize_totals(const Problem& p, double loss_sum, float valid, float correct,
                               const Outputs& out) {
-  const float scale = reduction_scale(p.reduction == Reduction::mean, valid);
-  if (p.reduction != Reduction::none) out.loss[0] = static_cast<float>(loss_sum) * scale;
+  const bool mean = p.reduction == Reduction::mean;
+  if (p.reduction != Reduction::none)
+    out.loss[0] = static_cast<float>(loss_sum) * reduction_scale(mean, valid);
   if (out.accuracy != nullptr) out.accuracy[0] = valid > 0.0f ? correct / valid : 0.0f;
-  return scale;
+  return gradient_scale(mean, valid, p.grad_scale);
 }
 
 }  // namespace xent::core

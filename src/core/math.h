@@ -179,6 +179,18 @@ XENT_HD float reduction_scale(bool mean, float valid_rows) {
   return mean ? (valid_rows > 0.0f ? 1.0f / valid_rows : 0.0f) : 1.0f;
 }
 
+// What the gradient of a row is multiplied by: the reduction's scale times Options::grad_scale.
+XENT_HD float gradient_scale(bool mean, float valid_rows, float grad_scale) {
+  return reduction_scale(mean, valid_rows) * grad_scale;
+}
+
+// The fused backward's factor of a row whose gradient forward wrote for grad_output =
+// grad_scale: 1 exactly when grad_output equals grad_scale (the rows are then left alone).
+// grad_output null means 1.
+XENT_HD float fused_backward_factor(const float* grad_output, int64_t i, float grad_scale) {
+  return (grad_output == nullptr ? 1.0f : grad_output[i]) / grad_scale;
+}
+
 // A target is either ignore_index or a real class of the global vocabulary.
 XENT_HD bool target_in_range(int64_t target, int64_t vocab_size) {
   return target >= 0 && target < vocab_size;

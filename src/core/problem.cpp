@@ -38,6 +38,12 @@ Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt)
     fail(cat("z_loss = ", opt.z_loss, ": must be a finite weight >= 0"));
   if (!(opt.softcap >= 0.0f) || std::isinf(opt.softcap))
     fail(cat("softcap = ", opt.softcap, ": must be > 0 when given (0 turns it off)"));
+  if (!(opt.grad_scale > 0.0f) || std::isinf(opt.grad_scale))
+    fail(cat("grad_scale = ", opt.grad_scale, ": must be finite and > 0"));
+  if (opt.grad_scale != 1.0f && opt.grad_mode != GradMode::fused)
+    fail(cat("grad_scale = ", opt.grad_scale, " with grad_mode = ", to_string(opt.grad_mode),
+             ": grad_scale applies to grad_mode = fused only (deferred applies grad_output in its "
+             "one gradient pass; leave grad_scale at 1)"));
   if (opt.vocab_start < 0) fail(cat("vocab_start = ", opt.vocab_start, ": must be >= 0"));
   const int64_t vocab = opt.vocab_size < 0 ? opt.vocab_start + logits.cols : opt.vocab_size;
   if (vocab < 1) fail(cat("vocab_size = ", opt.vocab_size, ": must be >= 1 (or -1)"));
@@ -56,6 +62,7 @@ Problem make_problem(LogitsView logits, TargetsView targets, const Options& opt)
   p.softcap = opt.softcap;
   p.ignore_index = opt.ignore_index;
   p.reduction = opt.reduction;
+  p.grad_scale = opt.grad_scale;
   p.programmatic_launch = opt.programmatic_launch;
   p.layout = RecordLayout::make(opt.label_smoothing > 0.0f, opt.compute_accuracy);
   return p;

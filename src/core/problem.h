@@ -22,6 +22,7 @@ struct Problem {
   float softcap = 0.0f;
   int64_t ignore_index = -100;
   Reduction reduction = Reduction::mean;
+  float grad_scale = 1.0f;  // Options::grad_scale (1 unless fused)
   RecordLayout layout;
   bool programmatic_launch = true;  // Options::programmatic_launch
 };

@@ -151,7 +151,6 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
 }
 
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output) {
-  if (grad_output == nullptr) return;
   const bool avx2 = use_avx2();
   parallel_rows(p.rows, p.cols, [&](int64_t r0, int64_t r1) {
 #if XENT_CPU_AVX2
@@ -167,8 +166,8 @@ void count_valid(const core::Problem& p, TargetsView targets, float* scalars) {
   for (int64_t r = 0; r < p.rows; ++r)
     valid += ignored(p, core::load_target(targets.data, targets.type, r)) ? 0 : 1;
   scalars[Workspace::kValid] = static_cast<float>(valid);
-  scalars[Workspace::kScale] =
-      core::reduction_scale(p.reduction == Reduction::mean, static_cast<float>(valid));
+  scalars[Workspace::kScale] = core::gradient_scale(p.reduction == Reduction::mean,
+                                                    static_cast<float>(valid), p.grad_scale);
 }
 
 }  // namespace xent::cpu

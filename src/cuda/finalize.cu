@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(kCountThreads)
   const unsigned long long all = Reduce(smem).Sum(mine);
   if (threadIdx.x == 0) {
     const float valid = static_cast<float>(all);
-    scalars[Workspace::kScale] = core::reduction_scale(p.reduction == Reduction::mean, valid);
+    scalars[Workspace::kScale] =
+        core::gradient_scale(p.reduction == Reduction::mean, valid, p.grad_scale);
     scalars[Workspace::kValid] = valid;
   }
 }

@@ -1,9 +1,9 @@
 // The gradient kernels: d loss / d logits of each row (fused forward and deferred backward), and
-// the fused backward's scaling of finished gradient rows by grad_output.
+// the fused backward's scaling of finished gradient rows by grad_output / grad_scale.
 //
 // The gradient walks the rows last to first, so that the rows the statistics kernel read last
 // are still in L2 when it starts. scale_rows is a grid-stride loop over at most 4 blocks per SM;
-// each block first reads a scalar grad_output and returns when it is 1.
+// each block first reads a scalar grad_output and returns when its factor is 1.
 #include <cuda_runtime.h>
 
 #include "backend.h"
@@ -59,14 +59,14 @@ __global__ void __launch_bounds__(kBlock)
   const bool per_row = p.reduction == Reduction::none;
   float f0 = 1.0f;
   if (!per_row) {
-    f0 = grad_output[0];
+    f0 = core::fused_backward_factor(grad_output, 0, p.grad_scale);
     if (f0 == 1.0f) return;  // the common case: nothing to do
   }
   constexpr int kRows = kBlock / kGroup;
   const int t = group_lane<kGroup>();
   for (int64_t row = group_index<kGroup>(); row < p.rows;
        row += static_cast<int64_t>(gridDim.x) * kRows) {
-    const float f = per_row ? grad_output[row] : f0;
+    const float f = per_row ? core::fused_backward_factor(grad_output, row, p.grad_scale) : f0;
     if (f == 1.0f) continue;
     T* q = static_cast<T*>(grad.data) + row * grad.row_stride;
     RowWalk<T, kGroup>::transform(q, q, static_cast<int>(p.cols), t,
@@ -97,7 +97,7 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
 
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream) {
-  if (p.rows == 0 || grad_output == nullptr) return;
+  if (p.rows == 0) return;
   check_shape(p, grad);
   const unsigned max_blocks = static_cast<unsigned>(device_info().sms) * 4u;
   core::dispatch_dtype(grad.dtype, [&](auto e) {
