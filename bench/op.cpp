@@ -262,6 +262,7 @@ std::function<void()> Operation::all_gather() {
 void Operation::first_call(const std::string& mode) {
   mode_ = mode;
   opt_.grad_mode = mode == "fused" ? xent::GradMode::fused : xent::GradMode::deferred;
+  opt_.grad_scale = mode == "fused" ? static_cast<float>(s_.grad_scale) : 1.0f;
   dev_.fill_logits(size_->p, size_->logits.get());
   dev_.zero(size_->loss.get(), size_->loss.bytes());
   dev_.zero(size_->lse.get(), size_->lse.bytes());

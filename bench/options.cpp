@@ -188,6 +188,14 @@ const std::vector<Option> kOptions = {
        if (v) r.s.grad_output = to_double(*v, -1e6, 1e6);
      },
      [](const Settings& s, json& c) { c["grad_output"] = s.grad_output; }},
+    {"grad_scale", "--grad-scale", "S",
+     "Options::grad_scale of the fused mode: forward's gradient is for grad_output = S, and "
+     "backward rescales only where grad_output differs (set S = G to skip that pass) (1)",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.grad_scale = to_double(*v, 0.0, 1e6, true);
+     },
+     [](const Settings& s, json& c) { c["grad_scale"] = s.grad_scale; }},
     {"logit_range", "--logit-range", "R",
      "logits k*R/256, integers k in [-256, 128): per row a window of width R at its own offset; R "
      "a power of two in [1, 1024] (8)",

@@ -29,6 +29,7 @@ struct Settings {
   double softcap = 0.0;
   double ignore_fraction = 0.0;
   double grad_output = 1.0;
+  double grad_scale = 1.0;  // Options::grad_scale, fused mode only
   double logit_range = 8.0;
   int iters = 20;
   int warmup = 5;

@@ -5,8 +5,10 @@
 
 One process per GPU, the vocabulary split evenly over the ranks (a shape is tokens x global
 vocab). For each shape and each way of calling the op (`copy`: inplace_grad=False, the default;
-`inplace`: inplace_grad=True, fused), forward + backward (torch.autograd.grad of the loss for the
-logits) is timed three ways, each the slowest rank's median:
+`inplace`: inplace_grad=True, fused; with --kinds also `scaled`: in place, the loss divided by 8
+before backward, and `scaled_hint`: the same with grad_scale=1/8), forward + backward
+(torch.autograd.grad of the loss for the logits) is timed three ways, each the slowest rank's
+median:
 
   idle    one step alone from an idle GPU, CUDA events around it, the ranks starting together
           (as xent_dist_bench --idle): how a training step reaches its loss, host latency
@@ -42,6 +44,17 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import xent  # noqa: E402
+
+
+# The ways of calling the op (--kinds): (inplace_grad, the factor the loop scales the loss by,
+# grad_scale). `scaled`: (loss / 8) backward with xent not told, so backward rescales the
+# gradient (two more passes); `scaled_hint`: the same loop with grad_scale = 1/8 (no such pass).
+CALLS = {
+    "copy": (False, 1.0, 1.0),
+    "inplace": (True, 1.0, 1.0),
+    "scaled": (True, 0.125, 1.0),
+    "scaled_hint": (True, 0.125, 0.125),
+}
 
 
 def parse_shape(s):
@@ -81,21 +94,20 @@ class Case:
         self.nonleaf = self.src * 1.0
         del base
 
+    def loss_fn(self, kind):
+        """(the logits, a function that returns the step's loss) for this way of calling."""
+        inplace, loss_scale, grad_scale = CALLS[kind]
+        x = self.nonleaf if inplace else self.leaf
+
+        def loss():
+            out = xent.vocab_parallel_cross_entropy(x, self.target, self.group,
+                                                    inplace_grad=inplace, grad_scale=grad_scale)
+            return out * loss_scale if loss_scale != 1.0 else out
+        return x, loss
+
     def op_step(self, kind):
-        if kind == "inplace":
-            x = self.nonleaf
-
-            def step():
-                loss = xent.vocab_parallel_cross_entropy(x, self.target, self.group,
-                                                         inplace_grad=True)
-                return torch.autograd.grad(loss, [x])
-            return step
-        x = self.leaf
-
-        def step():
-            loss = xent.vocab_parallel_cross_entropy(x, self.target, self.group)
-            return torch.autograd.grad(loss, [x])
-        return step
+        x, loss = self.loss_fn(kind)
+        return lambda: torch.autograd.grad(loss(), [x])
 
     def torch_step(self):
         x = self.leaf
@@ -122,10 +134,8 @@ class Case:
         return statistics.median(fwd), statistics.median(bwd)
 
     def host_op(self, kind, reps):
-        self._x = self.nonleaf if kind == "inplace" else self.leaf
-        return self.host_times(
-            lambda: xent.vocab_parallel_cross_entropy(self._x, self.target, self.group,
-                                                      inplace_grad=(kind == "inplace")), reps)
+        self._x, loss = self.loss_fn(kind)
+        return self.host_times(loss, reps)
 
     def host_torch(self, reps):
         self._x = self.leaf
@@ -222,7 +232,8 @@ def main():
                     help="tokens x global vocab, e.g. 8192x128256 (repeatable)")
     ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--kinds", default="copy,inplace")
+    ap.add_argument("--kinds", default="copy,inplace",
+                    help="ways of calling the op, of " + ", ".join(CALLS) + " (copy,inplace)")
     ap.add_argument("--raw-json", action="append",
                     help="xent_dist_bench --json output, with --idle or not (repeatable)")
     ap.add_argument("--profile", action="store_true")
@@ -242,6 +253,9 @@ def main():
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     raw = raw_times(args.raw_json, world)
     kinds = args.kinds.split(",")
+    for kind in kinds:
+        if kind not in CALLS:
+            sys.exit(f"torch_op.py: --kinds: {kind!r} is not one of {', '.join(CALLS)}")
 
     if rank == 0:
         print(f"# torch_op.py: {world} rank(s), {torch.cuda.get_device_name(device)}, "

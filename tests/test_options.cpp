@@ -82,8 +82,10 @@ TEST_P(OptionSweep, MatchesReference) {
   xtest::Matrix x = xtest::random_logits(N, V + s.pad, seed, dtype);
   const auto targets = xtest::random_targets(N, V, seed, s.p_ignore, s.opt.ignore_index);
 
-  const std::pair<GradMode, float> modes[] = {
-      {GradMode::fused, 1.0f}, {GradMode::fused, 0.25f}, {GradMode::deferred, 1.0f}, {GradMode::none, 1.0f}};
+  const std::pair<GradMode, float> modes[] = {{GradMode::fused, 1.0f},
+                                              {GradMode::fused, 0.25f},
+                                              {GradMode::deferred, 1.0f},
+                                              {GradMode::none, 1.0f}};
   for (const auto& [mode, grad_scale] : modes) {
     for (IndexType it : {IndexType::i64, IndexType::i32}) {
       SCOPED_TRACE(std::string("grad_mode=") + xent::to_string(mode) +

@@ -34,10 +34,14 @@ struct CrossEntropyOptions {
   // true: the gradient is written over the logits' own storage (no N x V copy): fused mode in
   // forward, deferred mode in backward. The logits' version counter is bumped when that happens,
   // so autograd refuses any later backward that needs their old values; the logits must not be a
-  // leaf (or a view of one). false: forward runs deferred (whatever grad_mode says) and never
-  // writes the logits; backward reads them once and writes the gradient into a new tensor (no
-  // copy of the logits).
+  // leaf (or a view of one). false: the logits are never written; the gradient goes into a new
+  // tensor (fused: by forward; deferred: by backward, which reads the logits once).
   bool inplace_grad = false;
+  // fused: the gradient that forward computes is for grad_output = grad_scale rather than 1, so
+  // that a backward whose grad_output is grad_scale (loss / accumulation steps, a loss scale)
+  // has nothing left to do; any other grad_output is still applied exactly as without it.
+  // Finite and > 0; must stay 1 with grad_mode deferred.
+  double grad_scale = 1.0;
   // This rank's first global column. -1: computed once from all ranks' widths (the logits'
   // columns, rank order) and cached per (group, width, vocab_size): a collective on first use.
   int64_t vocab_start = -1;

@@ -198,9 +198,9 @@ const char* forward_path(const Group& group, LogitsView logits, const Options& o
 
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
 // fused: `logits` holds forward's gradient; rows are rescaled by grad_output / grad_scale where
-//        that is not 1 (decided on the device; grad_output null counts as 1). deferred: `logits` holds the logits; `lse` is forward's
-//        Outputs::lse; the gradient overwrites the logits (the out-of-place backward below with
-//        grad = logits). none: throws.
+//        that is not 1 (decided on the device; grad_output null counts as 1). deferred: `logits`
+//        holds the logits; `lse` is forward's Outputs::lse; the gradient overwrites the logits (the
+//        out-of-place backward below with grad = logits). none: throws.
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
               const float* grad_output, const Options& opt, cudaStream_t stream = nullptr);
 

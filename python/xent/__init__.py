@@ -83,11 +83,14 @@ def _name(group):
 def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-100,
                                  label_smoothing=0.0, z_loss=0.0, softcap=0.0, reduction="mean",
                                  vocab_start=-1, vocab_size=-1, grad_mode="fused",
-                                 inplace_grad=False):
+                                 inplace_grad=False, grad_scale=1.0):
     """The loss of this rank's logits shard [..., columns] against global targets [...].
 
     group: the tensor-parallel ProcessGroup (None: one rank, no communication). Options as in
     docs/torch.md; differentiable for the logits (torch.compile traces it with no graph break).
+    grad_scale (fused): the gradient is computed for grad_output = grad_scale, so that
+    `(loss * grad_scale).backward()` (e.g. 1 / gradient-accumulation steps) costs no extra pass;
+    any other grad_output is still applied exactly.
     logits may be a DTensor sharded on the last dimension over a 1-D DeviceMesh (group=None,
     target replicated): the loss is then a replicated DTensor, as under loss_parallel().
     """
@@ -96,18 +99,19 @@ def vocab_parallel_cross_entropy(logits, target, group=None, *, ignore_index=-10
         loss = vocab_parallel_cross_entropy(
             local, target, group, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, vocab_start=vocab_start,
-            vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad)
+            vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad,
+            grad_scale=grad_scale)
         return _dtensor.replicated(loss, mesh)
     return _LOSS(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
-        vocab_start, vocab_size, grad_mode, inplace_grad)
+        vocab_start, vocab_size, grad_mode, inplace_grad, grad_scale)
 
 
 def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_index=-100,
                                        label_smoothing=0.0, z_loss=0.0, softcap=0.0,
                                        reduction="mean", vocab_start=-1, vocab_size=-1,
                                        grad_mode="fused", inplace_grad=False,
-                                       compute_accuracy=False):
+                                       compute_accuracy=False, grad_scale=1.0):
     """(loss, lse, z_loss, argmax, accuracy); argmax and accuracy are empty unless asked.
     DTensor logits as in vocab_parallel_cross_entropy: every output a replicated DTensor."""
     if _dtensor.is_dtensor(logits):
@@ -116,11 +120,11 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
             local, target, group, ignore_index=ignore_index, label_smoothing=label_smoothing,
             z_loss=z_loss, softcap=softcap, reduction=reduction, vocab_start=vocab_start,
             vocab_size=vocab_size, grad_mode=grad_mode, inplace_grad=inplace_grad,
-            compute_accuracy=compute_accuracy)
+            compute_accuracy=compute_accuracy, grad_scale=grad_scale)
         return tuple(_dtensor.replicated(t, mesh) for t in out)
     return _STATS(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
-        vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy)
+        vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy, grad_scale)
 
 
 def check_errors(group=None, device=None):

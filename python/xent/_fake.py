@@ -25,30 +25,30 @@ def _forward_outputs(logits, reduction, compute_accuracy, grad, with_stats):
 
 @torch.library.register_fake("xent::_forward")
 def _forward(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
-             reduction, vocab_start, vocab_size, compute_accuracy, with_grad, with_stats):
+             reduction, vocab_start, vocab_size, grad_scale, compute_accuracy, with_grad, with_stats):
     return _forward_outputs(logits, reduction, compute_accuracy, with_grad, with_stats)
 
 
 @torch.library.register_fake("xent::_forward_inplace")
 def _forward_inplace(logits, target, group_name, ignore_index, label_smoothing, z_loss, softcap,
-                     reduction, vocab_start, vocab_size, compute_accuracy, with_stats):
+                     reduction, vocab_start, vocab_size, grad_scale, compute_accuracy, with_stats):
     return _forward_outputs(logits, reduction, compute_accuracy, False, with_stats)
 
 
 @torch.library.register_fake("xent::_backward")
 def _backward(logits, target, lse, grad_output, group_name, ignore_index, label_smoothing,
-              z_loss, softcap, reduction, vocab_start, vocab_size):
+              z_loss, softcap, reduction, vocab_start, vocab_size, grad_scale):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("xent::_backward_inplace")
 def _backward_inplace(logits, target, lse, grad_output, group_name, ignore_index,
-                      label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size):
+                      label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size, grad_scale):
     return None
 
 
 @torch.library.register_fake("xent::_scale_inplace")
 def _scale_inplace(grad, target, grad_output, group_name, ignore_index, label_smoothing, z_loss,
-                   softcap, reduction, vocab_start, vocab_size):
+                   softcap, reduction, vocab_start, vocab_size, grad_scale):
     return None
 

@@ -166,8 +166,8 @@ void count_valid(const core::Problem& p, TargetsView targets, float* scalars) {
   for (int64_t r = 0; r < p.rows; ++r)
     valid += ignored(p, core::load_target(targets.data, targets.type, r)) ? 0 : 1;
   scalars[Workspace::kValid] = static_cast<float>(valid);
-  scalars[Workspace::kScale] = core::gradient_scale(p.reduction == Reduction::mean,
-                                                    static_cast<float>(valid), p.grad_scale);
+  scalars[Workspace::kScale] =
+      core::gradient_scale(p.reduction == Reduction::mean, static_cast<float>(valid), p.grad_scale);
 }
 
 }  // namespace xent::cpu

@@ -15,6 +15,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cmath>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,7 +30,7 @@ namespace detail {
 
 OpArgs OpArgs::of(c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                   double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
-                  int64_t vocab_size) {
+                  int64_t vocab_size, double grad_scale) {
   OpArgs a;
   a.group_name = std::string(group_name);
   a.ignore_index = ignore_index;
@@ -39,12 +40,13 @@ OpArgs OpArgs::of(c10::string_view group_name, int64_t ignore_index, double labe
   a.reduction = std::string(reduction);
   a.vocab_start = vocab_start;
   a.vocab_size = vocab_size;
+  a.grad_scale = grad_scale;
   return a;
 }
 
 OpArgs OpArgs::of(const CrossEntropyOptions& o, std::string group_name) {
   return of(group_name, o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
-            to_string(o.reduction), o.vocab_start, o.vocab_size);
+            to_string(o.reduction), o.vocab_start, o.vocab_size, o.grad_scale);
 }
 
 CrossEntropyOptions OpArgs::options() const {
@@ -56,6 +58,7 @@ CrossEntropyOptions OpArgs::options() const {
   o.reduction = parse_reduction(reduction);
   o.vocab_start = vocab_start;
   o.vocab_size = vocab_size;
+  o.grad_scale = grad_scale;
   return o;
 }
 
@@ -70,51 +73,51 @@ c10::OperatorHandle op_handle(const char* name) {
 ForwardOut call_forward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
                         ForwardMode mode, bool compute_accuracy, bool with_stats) {
   using Sig = ForwardOut(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, double,
-                         double, double, c10::string_view, int64_t, int64_t, bool, bool);
+                         double, double, c10::string_view, int64_t, int64_t, double, bool, bool);
   using SigGrad =
       ForwardOut(const at::Tensor&, const at::Tensor&, c10::string_view, int64_t, double, double,
-                 double, c10::string_view, int64_t, int64_t, bool, bool, bool);
+                 double, c10::string_view, int64_t, int64_t, double, bool, bool, bool);
   if (mode == ForwardMode::fused_inplace) {
     static const auto op = op_handle("xent::_forward_inplace").typed<Sig>();
     return op.call(logits, target, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
-                   a.softcap, a.reduction, a.vocab_start, a.vocab_size, compute_accuracy,
-                   with_stats);
+                   a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale,
+                   compute_accuracy, with_stats);
   }
   static const auto op = op_handle("xent::_forward").typed<SigGrad>();
   return op.call(logits, target, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
-                 a.softcap, a.reduction, a.vocab_start, a.vocab_size, compute_accuracy,
-                 mode == ForwardMode::fused, with_stats);
+                 a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale,
+                 compute_accuracy, mode == ForwardMode::fused, with_stats);
 }
 
 namespace {
 template <typename R>
 using BackwardSig = R(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                       const std::optional<at::Tensor>&, c10::string_view, int64_t, double, double,
-                      double, c10::string_view, int64_t, int64_t);
+                      double, c10::string_view, int64_t, int64_t, double);
 }  // namespace
 
 at::Tensor call_backward(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
                          const at::Tensor& lse, const std::optional<at::Tensor>& grad_output) {
   static const auto op = op_handle("xent::_backward").typed<BackwardSig<at::Tensor>>();
   return op.call(logits, target, lse, grad_output, a.group_name, a.ignore_index, a.label_smoothing,
-                 a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size);
+                 a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
 }
 
 void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::Tensor& target,
                            const at::Tensor& lse, const std::optional<at::Tensor>& grad_output) {
   static const auto op = op_handle("xent::_backward_inplace").typed<BackwardSig<void>>();
   op.call(logits, target, lse, grad_output, a.group_name, a.ignore_index, a.label_smoothing,
-          a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size);
+          a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
 }
 
 void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tensor& target,
                         const std::optional<at::Tensor>& grad_output) {
   using Sig =
       void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
-           int64_t, double, double, double, c10::string_view, int64_t, int64_t);
+           int64_t, double, double, double, c10::string_view, int64_t, int64_t, double);
   static const auto op = op_handle("xent::_scale_inplace").typed<Sig>();
   op.call(grad, target, grad_output, a.group_name, a.ignore_index, a.label_smoothing, a.z_loss,
-          a.softcap, a.reduction, a.vocab_start, a.vocab_size);
+          a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
 }
 
 namespace {
@@ -234,6 +237,12 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
                        const CrossEntropyOptions& o) {
   check_inputs(logits_in, target_in);
   parse_reduction(args.reduction);  // a bad name fails here, before any work
+  XENT_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0.0, "grad_scale = ", o.grad_scale,
+             ": must be finite and > 0");
+  XENT_CHECK(o.grad_scale == 1.0 || o.grad_mode != GradMode::deferred,
+             "grad_scale = ", o.grad_scale,
+             " with grad_mode = deferred: grad_scale applies to grad_mode = fused only (deferred "
+             "applies grad_output in its one gradient pass; leave grad_scale at 1)");
   const at::Tensor logits = as_rows(logits_in);
   const at::Tensor target = target_in.dim() == 1 && target_in.is_contiguous()
                                 ? target_in

@@ -191,6 +191,9 @@ Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device dev
   opt.softcap = static_cast<float>(o.softcap);
   opt.reduction = o.reduction;
   opt.grad_mode = o.grad_mode;
+  // Only a gradient computed ahead of grad_output takes it (the callers refuse it otherwise);
+  // a forward without a gradient has nothing to scale.
+  opt.grad_scale = o.grad_mode == GradMode::fused ? static_cast<float>(o.grad_scale) : 1.0f;
   opt.compute_accuracy = o.compute_accuracy;
   XENT_CHECK(o.vocab_start >= -1, "vocab_start = ", o.vocab_start,
              ": must be >= 0, or -1 to plan the layout from all ranks' widths");

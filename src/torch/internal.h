@@ -39,18 +39,19 @@ decltype(auto) core_call(F&& f) {
 
 // What describes the problem, as every operator's schema lists it after the tensors:
 //   str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap,
-//   str reduction, int vocab_start, int vocab_size
+//   str reduction, int vocab_start, int vocab_size, float grad_scale
 struct OpArgs {
   std::string group_name;  // "" is one rank, no process group
   int64_t ignore_index = -100;
   double label_smoothing = 0.0, z_loss = 0.0, softcap = 0.0;
   std::string reduction = "mean";
   int64_t vocab_start = -1, vocab_size = -1;
+  double grad_scale = 1.0;
 
   // The operator arguments, as the schemas list them (op.cpp, ops.cpp).
   static OpArgs of(c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                    double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
-                   int64_t vocab_size);
+                   int64_t vocab_size, double grad_scale);
   // From the C++ API's options (the group by its c10d name).
   static OpArgs of(const CrossEntropyOptions& o, std::string group_name);
   // The C++ API's options that these arguments describe (the rest at their defaults).
@@ -58,7 +59,7 @@ struct OpArgs {
 };
 #define XENT_OP_ARGS_SCHEMA                                                                    \
   "str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap, str " \
-  "reduction, int vocab_start, int vocab_size"
+  "reduction, int vocab_start, int vocab_size, float grad_scale"
 
 // (loss, lse, z_loss, argmax, accuracy, grad): loss [rows] for reduction "none", else []; lse and
 // z_loss [rows] with with_stats, else both [0]; argmax [rows] and accuracy [] with

@@ -32,9 +32,10 @@ CrossEntropyOptions options_of(const detail::OpArgs& a, c10::string_view grad_mo
 at::Tensor loss_op(const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name,
                    int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
                    c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                   c10::string_view grad_mode, bool inplace_grad) {
-  const detail::OpArgs a = detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss,
-                                              softcap, reduction, vocab_start, vocab_size);
+                   c10::string_view grad_mode, bool inplace_grad, double grad_scale) {
+  const detail::OpArgs a =
+      detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                         vocab_start, vocab_size, grad_scale);
   return detail::run(logits, target, a, options_of(a, grad_mode, inplace_grad)).loss;
 }
 
@@ -42,9 +43,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_op(
     const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name,
     int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
     c10::string_view reduction, int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
-    bool inplace_grad, bool compute_accuracy) {
-  const detail::OpArgs a = detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss,
-                                              softcap, reduction, vocab_start, vocab_size);
+    bool inplace_grad, bool compute_accuracy, double grad_scale) {
+  const detail::OpArgs a =
+      detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                         vocab_start, vocab_size, grad_scale);
   CrossEntropyOptions o = options_of(a, grad_mode, inplace_grad);
   o.return_lse = true;
   o.return_z_loss = true;
@@ -79,12 +81,12 @@ TORCH_LIBRARY(xent, m) {
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, str group_name, "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float softcap=0.0, "
       "str reduction=\"mean\", int vocab_start=-1, int vocab_size=-1, str grad_mode=\"fused\", "
-      "bool inplace_grad=False) -> Tensor");
+      "bool inplace_grad=False, float grad_scale=1.0) -> Tensor");
   m.def(
       "vocab_parallel_cross_entropy_stats(Tensor logits, Tensor target, str group_name, "
       "int ignore_index=-100, float label_smoothing=0.0, float z_loss=0.0, float softcap=0.0, "
       "str reduction=\"mean\", int vocab_start=-1, int vocab_size=-1, str grad_mode=\"fused\", "
-      "bool inplace_grad=False, bool compute_accuracy=False) "
+      "bool inplace_grad=False, bool compute_accuracy=False, float grad_scale=1.0) "
       "-> (Tensor loss, Tensor lse, Tensor z_loss, Tensor argmax, Tensor accuracy)");
   // Internal: 2-D logits [rows, cols], 1-D target [rows] (docs/torch.md).
   m.def("_forward(Tensor logits, Tensor target, " XENT_OP_ARGS_SCHEMA

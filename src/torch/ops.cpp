@@ -47,10 +47,10 @@ cudaStream_t stream_of(const at::Device& d) {
 
 CrossEntropyOptions options_of(c10::string_view group_name, int64_t ignore_index,
                                double label_smoothing, double z_loss, double softcap,
-                               c10::string_view reduction, int64_t vocab_start,
-                               int64_t vocab_size) {
+                               c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                               double grad_scale) {
   return OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                    vocab_start, vocab_size)
+                    vocab_start, vocab_size, grad_scale)
       .options();
 }
 
@@ -83,12 +83,12 @@ template <bool Inplace>
 ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
                           c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                           double z_loss, double softcap, c10::string_view reduction,
-                          int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
-                          bool with_grad, bool with_stats) {
+                          int64_t vocab_start, int64_t vocab_size, double grad_scale,
+                          bool compute_accuracy, bool with_grad, bool with_stats) {
   const at::Device device = logits.device();
   const at::OptionalDeviceGuard guard(device);
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                     reduction, vocab_start, vocab_size);
+                                     reduction, vocab_start, vocab_size, grad_scale);
   o.grad_mode = Inplace || with_grad ? GradMode::fused : GradMode::none;
   o.compute_accuracy = compute_accuracy;
   const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target}, o);
@@ -129,21 +129,21 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
 ForwardOut forward_op(const at::Tensor& logits, const at::Tensor& target,
                       c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                       double z_loss, double softcap, c10::string_view reduction,
-                      int64_t vocab_start, int64_t vocab_size, bool compute_accuracy,
-                      bool with_grad, bool with_stats) {
+                      int64_t vocab_start, int64_t vocab_size, double grad_scale,
+                      bool compute_accuracy, bool with_grad, bool with_stats) {
   return forward_kernel<false>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
-                               softcap, reduction, vocab_start, vocab_size, compute_accuracy,
-                               with_grad, with_stats);
+                               softcap, reduction, vocab_start, vocab_size, grad_scale,
+                               compute_accuracy, with_grad, with_stats);
 }
 
 ForwardOut forward_inplace_op(const at::Tensor& logits, const at::Tensor& target,
                               c10::string_view group_name, int64_t ignore_index,
                               double label_smoothing, double z_loss, double softcap,
                               c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                              bool compute_accuracy, bool with_stats) {
+                              double grad_scale, bool compute_accuracy, bool with_stats) {
   return forward_kernel<true>(logits, target, group_name, ignore_index, label_smoothing, z_loss,
-                              softcap, reduction, vocab_start, vocab_size, compute_accuracy, true,
-                              with_stats);
+                              softcap, reduction, vocab_start, vocab_size, grad_scale,
+                              compute_accuracy, true, with_stats);
 }
 
 // Deferred backward: into a new contiguous tensor, or (Inplace) over the logits.
@@ -152,11 +152,12 @@ at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
                            const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
                            c10::string_view group_name, int64_t ignore_index,
                            double label_smoothing, double z_loss, double softcap,
-                           c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+                           c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                           double grad_scale) {
   const at::Device device = logits.device();
   const at::OptionalDeviceGuard guard(device);
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                     reduction, vocab_start, vocab_size);
+                                     reduction, vocab_start, vocab_size, grad_scale);
   o.grad_mode = GradMode::deferred;
   const at::Tensor go = grad_output.value_or(at::Tensor());
   const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target, &lse, &go}, o);
@@ -172,31 +173,33 @@ at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
 at::Tensor backward_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
                        const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
                        int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-                       c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+                       c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                       double grad_scale) {
   return backward_kernel<false>(logits, target, lse, grad_output, group_name, ignore_index,
                                 label_smoothing, z_loss, softcap, reduction, vocab_start,
-                                vocab_size);
+                                vocab_size, grad_scale);
 }
 
 void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
                          const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
                          int64_t ignore_index, double label_smoothing, double z_loss,
                          double softcap, c10::string_view reduction, int64_t vocab_start,
-                         int64_t vocab_size) {
+                         int64_t vocab_size, double grad_scale) {
   backward_kernel<true>(logits, target, lse, grad_output, group_name, ignore_index, label_smoothing,
-                        z_loss, softcap, reduction, vocab_start, vocab_size);
+                        z_loss, softcap, reduction, vocab_start, vocab_size, grad_scale);
 }
 
-// Fused backward: the gradient is already in `grad`; scale its rows by grad_output (the kernel
-// skips rows whose factor is 1).
+// Fused backward: the gradient is already in `grad`, for grad_output = grad_scale; scale its rows
+// by grad_output / grad_scale (the kernel skips rows whose factor is 1).
 void scale_inplace_op(const at::Tensor& grad, const at::Tensor& target,
                       const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
                       int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-                      c10::string_view reduction, int64_t vocab_start, int64_t vocab_size) {
+                      c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
+                      double grad_scale) {
   const at::Device device = grad.device();
   const at::OptionalDeviceGuard guard(device);
   CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                     reduction, vocab_start, vocab_size);
+                                     reduction, vocab_start, vocab_size, grad_scale);
   o.grad_mode = GradMode::fused;
   const at::Tensor go = grad_output.value_or(at::Tensor());
   const Setup s = setup_for_tensors(group_name, device, grad.size(1), {&target, &go}, o);

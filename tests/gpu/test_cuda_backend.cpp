@@ -94,7 +94,7 @@ std::string describe(const Case& c) {
     << " vocab=" << c.vocab_start << "+" << c.vocab() << " " << xent::to_string(c.opt.reduction)
     << " " << xent::to_string(c.opt.grad_mode) << " e=" << c.opt.label_smoothing
     << " w=" << c.opt.z_loss << " cap=" << c.opt.softcap << " acc=" << c.opt.compute_accuracy
-    << " go=" << c.go_kind << "]";
+    << " go=" << c.go_kind << " grad_scale=" << c.opt.grad_scale << "]";
   return s.str();
 }
 
@@ -476,6 +476,29 @@ TEST(CudaBackend, Options) {
   {
     Case c = base("fused-go-scalar", DType::f32, 64, 9000);
     c.opt.reduction = Reduction::sum;
+    c.go_kind = 2;
+    cases.push_back(c);
+  }
+  {
+    // grad_scale: per-row factors grad_output / 0.37, exactly 1 on some rows (left alone).
+    Case c = base("fused-grad-scale-per-row", DType::bf16, 300, 3001);
+    c.opt.reduction = Reduction::none;
+    c.opt.grad_scale = 0.37f;
+    c.go_kind = 2;
+    cases.push_back(c);
+  }
+  {
+    // One rank, 9000 bf16 columns: the single-pass path; backward with grad_output null (1).
+    Case c = base("fused-grad-scale-single-pass", DType::bf16, 64, 9000);
+    c.opt.grad_scale = 0.25f;
+    c.go_kind = 0;
+    cases.push_back(c);
+  }
+  {
+    Case c = base("fused-grad-scale-two-pass-scalar", DType::f16, 64, 9000);
+    c.opt.reduction = Reduction::sum;
+    c.opt.single_pass = false;
+    c.opt.grad_scale = 0.47f;
     c.go_kind = 2;
     cases.push_back(c);
   }

@@ -134,6 +134,12 @@ BAD_INPUTS = [
              ('grad_mode = "eager"',)),
     BadInput("vocab_start_-2", lambda x, y: _loss(x, y, vocab_start=-2), ("vocab_start = -2",)),
     BadInput("vocab_size_11", lambda x, y: _loss(x, y, vocab_size=11), ("vocab_size = 11",)),
+    BadInput("grad_scale_0", lambda x, y: _loss(x, y, grad_scale=0.0),
+             ("grad_scale = 0", "finite and > 0")),
+    BadInput("grad_scale_nan", lambda x, y: _loss(x, y, grad_scale=float("nan")),
+             ("grad_scale = nan", "finite and > 0")),
+    BadInput("grad_scale_deferred", lambda x, y: _loss(x, y, grad_mode="deferred", grad_scale=0.5),
+             ("grad_scale = 0.5", "grad_mode = deferred", "fused only")),
     BadInput("int_logits", lambda x, y: _loss(x.detach().int(), y),
              ("float32, bfloat16 or float16", "Int")),
     BadInput("0d_logits", lambda x, y: _loss(x[0, 0], y), ("0-D",)),
@@ -223,7 +229,7 @@ def test_cuda_target_out_of_range_is_nan_and_reported_by_check_errors():
 def test_internal_operators_refuse_tensors_off_the_logits_device():
     """The internal operators skip the driver's pointer queries: they must check devices."""
     ops = torch.ops.xent
-    args = OP_ARGS + ("mean", -1, -1)
+    args = OP_ARGS + ("mean", -1, -1, 1.0)
     x = random_logits((N, V), device="cuda")
     t = random_target((N,), "cuda")
     _, lse, _, _, _, grad = ops._forward.default(x, t, *args, False, True, True)
@@ -298,6 +304,47 @@ def test_loss_and_gradient_match_torch(device, dtype, layout, reduction, label_s
     if not inplace_grad:
         assert logits._version == version, "the logits' version changed without inplace_grad"
         assert torch.equal(source.detach(), before), "the logits changed without inplace_grad"
+
+
+@pytest.mark.parametrize("backward_scale", [0.125, 1.0, 0.3], ids=["same", "one", "other"])
+@pytest.mark.parametrize("inplace_grad", [False, True], ids=["new_grad", "inplace"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scale_any_grad_output_matches_torch(device, dtype, reduction, inplace_grad,
+                                                  backward_scale):
+    """grad_scale=0.125 (e.g. 8 accumulation steps): the loss is unchanged, and the gradient is
+    exact for whatever grad_output reaches it: the same 0.125 (nothing left to do in backward),
+    1, or another value."""
+    source = random_logits((S, B, V), dtype, device).requires_grad_()
+    target = random_target((S, B), device)
+    grad_output = grad_output_for(reduction, target.shape, device) * backward_scale
+    want_loss, want_grad = reference(source, _same, target, grad_output, reduction=reduction)
+    logits = source * 1.0 if inplace_grad else source
+    loss = xent.vocab_parallel_cross_entropy(logits, target, reduction=reduction,
+                                             inplace_grad=inplace_grad, grad_scale=0.125)
+    assert_close(loss, want_loss, LOSS_RTOL, "loss")
+    loss.backward(grad_output)
+    assert_close(source.grad, want_grad, grad_rtol(dtype), "gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grad_scale_is_folded_into_forward(device):
+    """With grad_scale=0.25 the gradient that forward writes is a quarter of the plain one, bit
+    for bit (a power of two), and a backward of grad_output 0.25 leaves it as it is."""
+    x = random_logits((N, V), torch.bfloat16, device)
+    target = random_target((N,), device)
+    grads = []
+    for grad_scale in (1.0, 0.25):
+        source = x.clone().requires_grad_()
+        logits = source * 1.0
+        loss = xent.vocab_parallel_cross_entropy(logits, target, inplace_grad=True,
+                                                 grad_scale=grad_scale)
+        grads.append(logits.detach().clone())  # forward's gradient, over the logits
+        (loss * grad_scale).backward()
+        assert torch.equal(source.grad, grads[-1]), "backward changed the gradient"
+    assert torch.equal(grads[1], grads[0] * 0.25)
+    assert grads[0].abs().max() > 0
 
 
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
@@ -399,14 +446,18 @@ def test_stats_match_torch(device, compute_accuracy):
 # ---------------------------------------------------------------------------- torch.compile
 
 
-def make_step(grad_mode, inplace_grad, backward_in_graph):
+def make_step(grad_mode, inplace_grad, backward_in_graph, grad_scale=1.0):
     """A training step's loss: logits = x @ w.T viewed as [S, B, V]. backward_in_graph: the step
-    runs loss.backward() itself (one compiled graph, forward and backward); else the caller does."""
+    runs loss.backward() itself (one compiled graph, forward and backward); else the caller does.
+    grad_scale != 1: the step's loss is the loss times grad_scale (one micro-batch of several),
+    and xent is told so."""
     def step(x, w, t):
         logits = x @ w.t()
         loss = xent.vocab_parallel_cross_entropy(
             logits.view(S, B, -1), t.view(S, B), label_smoothing=0.1, grad_mode=grad_mode,
-            inplace_grad=inplace_grad)
+            inplace_grad=inplace_grad, grad_scale=grad_scale)
+        if grad_scale != 1.0:
+            loss = loss * grad_scale
         if backward_in_graph:
             loss.backward()
             return loss.detach()
@@ -431,11 +482,11 @@ def step_inputs(device, seed=0):
     return x0, w0, target
 
 
-def step_reference(x0, w0, target):
+def step_reference(x0, w0, target, grad_scale=1.0):
     """float64 loss and gradients of x and w (F.cross_entropy, label smoothing 0.1)."""
     x = x0.cpu().double().requires_grad_()
     w = w0.cpu().double().requires_grad_()
-    loss = F.cross_entropy(x @ w.t(), target.cpu(), label_smoothing=0.1)
+    loss = F.cross_entropy(x @ w.t(), target.cpu(), label_smoothing=0.1) * grad_scale
     loss.backward()
     return loss.detach(), x.grad, w.grad
 
@@ -476,6 +527,20 @@ def test_compile_fullgraph_matches_eager(device, inplace_grad, grad_mode, backwa
         assert_close(g, want, 1e-5, f"compiled {what} vs eager")
 
 
+@pytest.mark.parametrize("inplace_grad", [False, True], ids=["new_grad", "inplace"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_with_grad_scale_matches_eager(device, inplace_grad, dynamo):
+    x0, w0, target = step_inputs(device)
+    step = make_step("fused", inplace_grad, True, grad_scale=0.25)
+    eager = run_step(step, x0, w0, target, True)
+    for got, want, what in zip(eager, step_reference(x0, w0, target, 0.25), ("loss", "dx", "dw")):
+        assert_close(got, want, 1e-5, f"eager {what} vs float64")
+    got = run_step(torch.compile(step, fullgraph=True), x0, w0, target, True)
+    assert_one_graph(dynamo)
+    for g, want, what in zip(got, eager, ("loss", "dx", "dw")):
+        assert_close(g, want, 1e-5, f"compiled {what} vs eager")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backward_in_graph", [True, False],
                          ids=["backward_in_graph", "backward_outside"])
@@ -501,7 +566,7 @@ OP_ARGS = ("", IGNORE, 0.1, 1e-3, 0.0)  # group_name, ignore_index, smoothing, z
 def opcheck_cases(device, reduction):
     """name -> (operator, arguments): valid calls of every internal operator."""
     ops = torch.ops.xent
-    args = OP_ARGS + (reduction, -1, -1)
+    args = OP_ARGS + (reduction, -1, -1, 0.5)
     x = random_logits((N, V), device=device)
     t = random_target((N,), device)
     _, lse, _, _, _, grad = ops._forward.default(x, t, *args, False, True, True)
