@@ -352,10 +352,15 @@ TEST(TorchAutograd, GradientOutputScalesAndNoneReduction) {
         w)
            .sum()},
       {xr})[0];
-  for (auto mode : {xent::GradMode::fused, xent::GradMode::deferred}) {
+  // fused also with grad_scale: a promise about grad_output that does not hold here (w varies by
+  // row), so backward rescales by w / grad_scale, exactly as without it.
+  const std::pair<xent::GradMode, double> modes[] = {
+      {xent::GradMode::fused, 1.0}, {xent::GradMode::fused, 0.3}, {xent::GradMode::deferred, 1.0}};
+  for (const auto& [mode, grad_scale] : modes) {
     const at::Tensor x = x0.to(at::kFloat).requires_grad_();
     CrossEntropyOptions o;
     o.grad_mode = mode;
+    o.grad_scale = grad_scale;
     o.reduction = xent::Reduction::none;
     const at::Tensor l = vocab_parallel_cross_entropy(x, y, kNoGroup, o).loss;
     (l * w.to(at::kFloat)).sum().backward();
@@ -400,6 +405,9 @@ TEST(TorchErrors, NameTheArgumentAndTheValue) {
 
 // ------------------------------------------------------------------------------ the operator
 
+// The arguments the two public operators share (a boxed call passes every argument, defaults
+// included: vocab_parallel_cross_entropy's grad_scale comes last, after _stats'
+// compute_accuracy).
 c10::Stack op_args(const at::Tensor& x, const at::Tensor& y, const std::string& group,
                    const std::string& reduction = "mean", const std::string& mode = "fused",
                    bool inplace = false, double smoothing = 0.0) {
@@ -407,9 +415,10 @@ c10::Stack op_args(const at::Tensor& x, const at::Tensor& y, const std::string& 
           0.0, reduction, int64_t{-1}, int64_t{-1},   mode,      inplace};
 }
 
-at::Tensor call_op(c10::Stack stack) {
+at::Tensor call_op(c10::Stack stack, double grad_scale = 1.0) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("xent::vocab_parallel_cross_entropy", "");
+  stack.push_back(grad_scale);
   op.callBoxed(stack);
   return stack.at(0).toTensor();
 }
@@ -443,6 +452,7 @@ TEST(TorchOp, StatsOutputs) {
       "xent::vocab_parallel_cross_entropy_stats", "");
   c10::Stack s = op_args(x, y, "");
   s.push_back(true);  // compute_accuracy
+  s.push_back(1.0);   // grad_scale
   op.callBoxed(s);
   ASSERT_EQ(s.size(), 5u);
   EXPECT_TRUE(matches_loss(s[1].toTensor(), at::logsumexp(x.to(at::kDouble), 1), "lse"));
@@ -456,6 +466,8 @@ TEST(TorchOp, BadArguments) {
   const at::Tensor y = at::randint(0, 10, {4}, at::kLong);
   expect_error([&] { call_op(op_args(x, y, "", "average")); }, {"reduction = \"average\""});
   expect_error([&] { call_op(op_args(x, y, "no_such_group")); }, {"no_such_group"});
+  expect_error([&] { call_op(op_args(x, y, ""), -2.0); },
+               {"grad_scale = -2", "must be finite and > 0"});
 }
 
 // ------------------------------------------------------------------- a one-rank Gloo group

@@ -90,7 +90,8 @@ TEST(Gloo, OperatorByGroupName) {
                int64_t{-1},
                int64_t{-1},
                std::string("deferred"),
-               false};
+               false,
+               1.0};  // grad_scale
   op.callBoxed(s);
   const at::Tensor loss = s[0].toTensor();
   c.opt.label_smoothing = 0.1;
