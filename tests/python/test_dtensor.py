@@ -21,16 +21,18 @@ import ranks
 
 WORLD = 2
 N, V = 12, 11
-CASES = {  # name -> (leading shape, reduction, inplace_grad, label_smoothing)
-    "2d-mean": ((N,), "mean", False, 0.0),
-    "2d-mean-smoothing": ((N,), "mean", False, 0.1),
-    "2d-sum": ((N,), "sum", False, 0.0),
-    "2d-none": ((N,), "none", False, 0.0),
-    "3d-mean": ((3, 4), "mean", False, 0.0),
-    "3d-none-smoothing": ((3, 4), "none", False, 0.1),
+CASES = {  # name -> (leading shape, reduction, inplace_grad, label_smoothing, grad_scale)
+    "2d-mean": ((N,), "mean", False, 0.0, 1.0),
+    "2d-mean-smoothing": ((N,), "mean", False, 0.1, 1.0),
+    "2d-sum": ((N,), "sum", False, 0.0, 1.0),
+    "2d-none": ((N,), "none", False, 0.0, 1.0),
+    "3d-mean": ((3, 4), "mean", False, 0.0, 1.0),
+    "3d-none-smoothing": ((3, 4), "none", False, 0.1, 1.0),
+    # the loss halved before backward, as xent is told: the gradient is halved, exactly
+    "2d-mean-grad-scale": ((N,), "mean", False, 0.0, 0.5),
 }
 LAYER = ["colwise-projection"]
-BAD = ["bad-shard-dim", "bad-target-sharded", "bad-inplace"]
+BAD = ["bad-shard-dim", "bad-target-sharded", "bad-inplace", "bad-grad-scale"]
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
@@ -54,7 +56,7 @@ def run_case(name, mesh, device):
 
     import xent
 
-    lead, reduction, inplace, smoothing = CASES[name]
+    lead, reduction, inplace, smoothing, grad_scale = CASES[name]
     g = torch.Generator().manual_seed(3)
     full = torch.randn(*lead, V, generator=g, dtype=torch.float64).float().to(device)
     target = torch.randint(0, V, lead, generator=g).to(device)
@@ -81,10 +83,12 @@ def run_case(name, mesh, device):
     leaf = distribute_tensor(full, mesh, [Shard(full.ndim - 1)]).requires_grad_()
     logits = leaf * 1.0 if inplace else leaf  # in place needs a non-leaf (a layer's output)
     loss = xent.vocab_parallel_cross_entropy(logits, target, reduction=reduction,
-                                             label_smoothing=smoothing, inplace_grad=inplace)
+                                             label_smoothing=smoothing, inplace_grad=inplace,
+                                             grad_scale=grad_scale)
     assert isinstance(loss, DTensor) and loss.placements == (Replicate(),), loss
     torch.testing.assert_close(loss.full_tensor(), ref_loss, rtol=1e-5, atol=1e-6)
-    loss.backward(torch.ones_like(loss) if reduction == "none" else None)
+    (loss * grad_scale).backward(torch.ones_like(loss) if reduction == "none" else None)
+    ref_grad = ref_grad * grad_scale
     # (With uneven shards PyTorch hands a leaf DTensor's gradient back replicated, whatever made
     # it: compare the values.)
     assert isinstance(leaf.grad, DTensor)
@@ -131,17 +135,21 @@ def run_bad(name, mesh, device):
 
     full = torch.randn(4, V, device=device)
     target = torch.zeros(4, dtype=torch.long, device=device)
-    inplace = False
+    inplace, grad_scale = False, 1.0
     if name == "bad-shard-dim":
         logits, want = distribute_tensor(full, mesh, [Shard(0)]), "sharded on the last"
     elif name == "bad-inplace":
         logits = distribute_tensor(full, mesh, [Shard(1)]).requires_grad_() * 1.0
         want, inplace = "inplace_grad = true with DTensor logits", True
+    elif name == "bad-grad-scale":  # the option reaches the operator through the DTensor path
+        logits, want = distribute_tensor(full, mesh, [Shard(1)]), "grad_scale = -1"
+        grad_scale = -1.0
     else:
         logits, want = distribute_tensor(full, mesh, [Shard(1)]), "must be replicated"
         target = distribute_tensor(target, mesh, [Shard(0)])
     with pytest.raises(RuntimeError, match=want):
-        xent.vocab_parallel_cross_entropy(logits, target, inplace_grad=inplace)
+        xent.vocab_parallel_cross_entropy(logits, target, inplace_grad=inplace,
+                                          grad_scale=grad_scale)
 
 
 def worker(backend, rank, init, tmp):
