@@ -6,7 +6,8 @@
 One process per GPU, the vocabulary split evenly over the ranks (a shape is tokens x global
 vocab). For each shape and each way of calling the op (`copy`: inplace_grad=False, the default;
 `inplace`: inplace_grad=True, fused; with --kinds also `scaled`: in place, the loss divided by 8
-before backward, and `scaled_hint`: the same with grad_scale=1/8), forward + backward
+before backward, `scaled_hint`: the same with grad_scale=1/8, and `copy_ops` / `inplace_ops`:
+through torch.ops.xent.* instead of xent._C), forward + backward
 (torch.autograd.grad of the loss for the logits) is timed three ways, each the slowest rank's
 median:
 
@@ -47,13 +48,17 @@ import xent  # noqa: E402
 
 
 # The ways of calling the op (--kinds): (inplace_grad, the factor the loop scales the loss by,
-# grad_scale). `scaled`: (loss / 8) backward with xent not told, so backward rescales the
-# gradient (two more passes); `scaled_hint`: the same loop with grad_scale = 1/8 (no such pass).
+# grad_scale, through torch.ops). `scaled`: (loss / 8) backward with xent not told, so backward
+# rescales the gradient (two more passes); `scaled_hint`: the same loop with grad_scale = 1/8 (no
+# such pass). `copy_ops` and `inplace_ops`: as `copy` and `inplace`, with `xent._direct = None`,
+# so that `import xent` calls torch.ops.xent.* rather than xent._C (docs/torch.md).
 CALLS = {
-    "copy": (False, 1.0, 1.0),
-    "inplace": (True, 1.0, 1.0),
-    "scaled": (True, 0.125, 1.0),
-    "scaled_hint": (True, 0.125, 0.125),
+    "copy": (False, 1.0, 1.0, False),
+    "inplace": (True, 1.0, 1.0, False),
+    "scaled": (True, 0.125, 1.0, False),
+    "scaled_hint": (True, 0.125, 0.125, False),
+    "copy_ops": (False, 1.0, 1.0, True),
+    "inplace_ops": (True, 1.0, 1.0, True),
 }
 
 
@@ -96,12 +101,18 @@ class Case:
 
     def loss_fn(self, kind):
         """(the logits, a function that returns the step's loss) for this way of calling."""
-        inplace, loss_scale, grad_scale = CALLS[kind]
+        inplace, loss_scale, grad_scale, via_ops = CALLS[kind]
         x = self.nonleaf if inplace else self.leaf
 
         def loss():
-            out = xent.vocab_parallel_cross_entropy(x, self.target, self.group,
-                                                    inplace_grad=inplace, grad_scale=grad_scale)
+            direct = xent._direct
+            if via_ops:
+                xent._direct = None
+            try:
+                out = xent.vocab_parallel_cross_entropy(x, self.target, self.group,
+                                                        inplace_grad=inplace, grad_scale=grad_scale)
+            finally:
+                xent._direct = direct
             return out * loss_scale if loss_scale != 1.0 else out
         return x, loss
 
@@ -261,7 +272,7 @@ def main():
         print(f"# torch_op.py: {world} rank(s), {torch.cuda.get_device_name(device)}, "
               f"{args.dtype}, mean, torch {torch.__version__}, slowest rank, median of "
               f"{args.reps}", flush=True)
-        print(f"# {'tokens':>7s} {'vocab':>7s} {'width':>7s} {'call':>8s} {'raw idle':>8s} "
+        print(f"# {'tokens':>7s} {'vocab':>7s} {'width':>7s} {'call':>11s} {'raw idle':>8s} "
               f"{'idle ms':>8s} {'ratio':>6s} {'raw b2b':>8s} {'b2b ms':>8s} {'ratio':>6s} "
               f"{'fwd us':>7s} {'bwd us':>7s} {'F.ce fwd':>8s} {'F.ce bwd':>8s}", flush=True)
     results = []
@@ -294,7 +305,7 @@ def main():
                     if not raw_ms:
                         return f"{'-':>8s} {ms:8.3f} {'-':>6s}"
                     return f"{raw_ms:8.3f} {ms:8.3f} {ms / raw_ms:6.3f}"
-                print(f"  {tokens:7d} {vocab:7d} {case.width:7d} {kind:>8s} {cols(ri, idle)} "
+                print(f"  {tokens:7d} {vocab:7d} {case.width:7d} {kind:>11s} {cols(ri, idle)} "
                       f"{cols(rb, b2b)} {hf:7.1f} {hb:7.1f} {tf:8.1f} {tb:8.1f}", flush=True)
         if rank == 0:
             key = (tokens, vocab // world + (1 if vocab % world else 0))

@@ -8,6 +8,7 @@
 # CUDA and NCCL wheels; a few GB), and pytest, megatron-core==0.16.1 and scikit-build-core if
 # they are missing (for tests/python and tests/package), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
+#   -DPython3_EXECUTABLE=<that python3, for xent._C>
 #   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
 #   -DNCCL_INCLUDE_DIR=<.../include>
 # so that everything links the NCCL that PyTorch uses: a communicator adopted from PyTorch must be
@@ -74,7 +75,8 @@ EOF
   prefix=$(echo "$info" | sed -n 1p)
   nccl=$(echo "$info" | sed -n 2p)
   version=$(echo "$info" | sed -n 3p)
-  local args="-DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=$prefix"
+  # Python3_EXECUTABLE: xent._C is built for this Python (the one that has this PyTorch).
+  local args="-DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=$prefix -DPython3_EXECUTABLE=$(command -v python3)"
   if [ -n "$nccl" ]; then
     args="$args -DXENT_NCCL_ROOT=$nccl -DNCCL_LIBRARY=$nccl/lib/libnccl.so.2"
     args="$args -DNCCL_INCLUDE_DIR=$nccl/include"

@@ -260,34 +260,34 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
   }
   // lse and z_loss as outputs of their own only where asked (the fused loss needs neither).
   const bool with_stats = o.return_lse || o.return_z_loss;
-  at::Tensor loss, lse, zl, argmax, accuracy;
-  std::shared_ptr<VocabParallelCrossEntropyBackward> node;
-  ForwardMode mode = ForwardMode::none;
-  if (autograd) {
-    node.reset(new VocabParallelCrossEntropyBackward(), ::torch::autograd::deleteNode);
-    node->set_next_edges(::torch::autograd::collect_next_edges(logits));
-    node->args = args;
-    node->fused = o.grad_mode == GradMode::fused;
-    node->inplace = o.inplace_grad;
-    if (node->fused) mode = o.inplace_grad ? ForwardMode::fused_inplace : ForwardMode::fused;
-  }
-  at::Tensor grad;
+  const bool fused = autograd && o.grad_mode == GradMode::fused;
+  const ForwardMode mode = !fused
+                               ? ForwardMode::none
+                               : (o.inplace_grad ? ForwardMode::fused_inplace : ForwardMode::fused);
+  at::Tensor loss, lse, zl, argmax, accuracy, grad;
   {
     // Straight to the kernel: autograd's fallback for operators without an autograd kernel
     // (boxed, a few microseconds) has nothing to do here, and the version bump is ours.
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     // Deferred needs lse for its backward, whether or not it is returned.
-    const bool need_lse = with_stats || (node && !node->fused);
+    const bool need_lse = with_stats || (autograd && !fused);
     std::tie(loss, lse, zl, argmax, accuracy, grad) =
         call_forward(args, logits, target, mode, o.compute_accuracy, need_lse);
   }
-  if (node) {
+  // The node after the kernels are queued: its host time is then off the GPU's path.
+  if (autograd) {
+    std::shared_ptr<VocabParallelCrossEntropyBackward> node(new VocabParallelCrossEntropyBackward(),
+                                                            ::torch::autograd::deleteNode);
+    node->set_next_edges(::torch::autograd::collect_next_edges(logits));
+    node->args = args;
+    node->fused = fused;
+    node->inplace = o.inplace_grad;
     if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
     // Saved after the bump: the version check then catches any later in-place change.
     const at::Tensor& kept = mode == ForwardMode::fused ? grad : logits;
     node->grad_or_logits = SavedVariable(kept, /*is_output=*/false);
     node->target = SavedVariable(target, false);
-    if (!node->fused) node->lse = SavedVariable(lse, false);
+    if (!fused) node->lse = SavedVariable(lse, false);
     ::torch::autograd::set_history(loss, node);
   }
   // Per-row outputs take the target's shape.

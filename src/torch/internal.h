@@ -99,6 +99,21 @@ struct Setup {
 Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, c10::Device device, int64_t cols,
             const CrossEntropyOptions& o);
 
+// The public operators torch.ops.xent.vocab_parallel_cross_entropy and _stats, as their schemas
+// (op.cpp) list the arguments; also called directly by xent._C (python.cpp).
+at::Tensor loss_entry(const at::Tensor& logits, const at::Tensor& target,
+                      c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                      double z_loss, double softcap, c10::string_view reduction,
+                      int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
+                      bool inplace_grad, double grad_scale);
+// (loss, lse, z_loss, argmax, accuracy)
+using StatsOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+StatsOut stats_entry(const at::Tensor& logits, const at::Tensor& target,
+                     c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                     double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
+                     int64_t vocab_size, c10::string_view grad_mode, bool inplace_grad,
+                     bool compute_accuracy, double grad_scale);
+
 // The whole call on N-D logits (every public entry point ends here): shapes and types checked,
 // leading dimensions flattened, the autograd node attached when a gradient is wanted.
 CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const OpArgs& args,

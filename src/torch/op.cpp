@@ -29,36 +29,6 @@ CrossEntropyOptions options_of(const detail::OpArgs& a, c10::string_view grad_mo
   return o;
 }
 
-at::Tensor loss_op(const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name,
-                   int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-                   c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                   c10::string_view grad_mode, bool inplace_grad, double grad_scale) {
-  const detail::OpArgs a =
-      detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                         vocab_start, vocab_size, grad_scale);
-  return detail::run(logits, target, a, options_of(a, grad_mode, inplace_grad)).loss;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats_op(
-    const at::Tensor& logits, const at::Tensor& target, c10::string_view group_name,
-    int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
-    c10::string_view reduction, int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
-    bool inplace_grad, bool compute_accuracy, double grad_scale) {
-  const detail::OpArgs a =
-      detail::OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                         vocab_start, vocab_size, grad_scale);
-  CrossEntropyOptions o = options_of(a, grad_mode, inplace_grad);
-  o.return_lse = true;
-  o.return_z_loss = true;
-  o.compute_accuracy = compute_accuracy;
-  CrossEntropyResult r = detail::run(logits, target, a, o);
-  if (!compute_accuracy) {  // empty tensors, not None, so that the schema's types hold
-    r.argmax = at::empty({0}, logits.options().dtype(at::kLong));
-    r.accuracy = at::empty({0}, logits.options().dtype(at::kFloat));
-  }
-  return {r.loss, r.lse, r.z_loss, r.argmax, r.accuracy};
-}
-
 // Waits for the current stream of `device`, then raises if a kernel of this group saw a target
 // outside [0, vocab_size) that is not ignore_index (the CUDA backend gives such rows a NaN loss
 // instead of stopping; the CPU backend raises at once, so there this does nothing).
@@ -71,6 +41,39 @@ void check_errors_op(c10::string_view group_name, c10::Device device) {
 }
 
 }  // namespace
+
+namespace detail {
+
+at::Tensor loss_entry(const at::Tensor& logits, const at::Tensor& target,
+                      c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                      double z_loss, double softcap, c10::string_view reduction,
+                      int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
+                      bool inplace_grad, double grad_scale) {
+  const OpArgs a = OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                              vocab_start, vocab_size, grad_scale);
+  return run(logits, target, a, options_of(a, grad_mode, inplace_grad)).loss;
+}
+
+StatsOut stats_entry(const at::Tensor& logits, const at::Tensor& target,
+                     c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                     double z_loss, double softcap, c10::string_view reduction, int64_t vocab_start,
+                     int64_t vocab_size, c10::string_view grad_mode, bool inplace_grad,
+                     bool compute_accuracy, double grad_scale) {
+  const OpArgs a = OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                              vocab_start, vocab_size, grad_scale);
+  CrossEntropyOptions o = options_of(a, grad_mode, inplace_grad);
+  o.return_lse = true;
+  o.return_z_loss = true;
+  o.compute_accuracy = compute_accuracy;
+  CrossEntropyResult r = run(logits, target, a, o);
+  if (!compute_accuracy) {  // empty tensors, not None, so that the schema's types hold
+    r.argmax = at::empty({0}, logits.options().dtype(at::kLong));
+    r.accuracy = at::empty({0}, logits.options().dtype(at::kFloat));
+  }
+  return {r.loss, r.lse, r.z_loss, r.argmax, r.accuracy};
+}
+
+}  // namespace detail
 }  // namespace xent::torch
 
 TORCH_LIBRARY(xent, m) {
@@ -106,8 +109,8 @@ TORCH_LIBRARY(xent, m) {
 }
 
 TORCH_LIBRARY_IMPL(xent, CompositeImplicitAutograd, m) {
-  m.impl("vocab_parallel_cross_entropy", &xent::torch::loss_op);
-  m.impl("vocab_parallel_cross_entropy_stats", &xent::torch::stats_op);
+  m.impl("vocab_parallel_cross_entropy", &xent::torch::detail::loss_entry);
+  m.impl("vocab_parallel_cross_entropy_stats", &xent::torch::detail::stats_entry);
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {

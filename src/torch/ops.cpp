@@ -94,35 +94,43 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
   const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target}, o);
 
   const int64_t n = logits.size(0);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   ForwardOut f;
+  auto& [loss, lse, zl, argmax, accuracy, grad] = f;
   // Allocated once the first kernels are queued (the core calls back): the GPU starts sooner.
+  // Only what the kernels write: the one-pass path waits for them before its kernel.
   const auto make_outputs = [&] {
-    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-    auto& [loss, lse, zl, argmax, accuracy, grad] = f;
     loss = s.opt.reduction == Reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
-    lse = at::empty({with_stats ? n : 0}, f32);
-    zl = at::empty({with_stats ? n : 0}, f32);
-    argmax = at::empty({compute_accuracy ? n : 0}, f32.dtype(at::kLong));
-    accuracy = compute_accuracy ? at::empty({}, f32) : at::empty({0}, f32);
-    grad = !Inplace && with_grad ? at::empty_like(logits, at::MemoryFormat::Contiguous)
-                                 : at::empty({0}, logits.options());
     Outputs out;
     out.loss = loss.data_ptr<float>();
     if (with_stats) {
+      lse = at::empty({n}, f32);
+      zl = at::empty({n}, f32);
       out.lse = lse.data_ptr<float>();
       out.z_loss = zl.data_ptr<float>();
     }
     if (compute_accuracy) {
+      argmax = at::empty({n}, f32.dtype(at::kLong));
+      accuracy = at::empty({}, f32);
       out.argmax = argmax.data_ptr<int64_t>();
       out.accuracy = accuracy.data_ptr<float>();
     }
-    if (!Inplace && with_grad) out.grad = view_of(grad);
+    if (!Inplace && with_grad) {
+      grad = at::empty(logits.sizes(), logits.options());  // contiguous, as view_of needs
+      out.grad = view_of(grad);
+    }
     return out;
   };
   core_call([&] {
     xent::forward(s.group, view_of(logits), view_of_targets(target), s.opt, make_outputs,
                   stream_of(device));
   });
+  // The outputs not asked for, empty as the schema's types need, made after every kernel is
+  // queued.
+  for (at::Tensor* t : {&lse, &zl, &accuracy})
+    if (!t->defined()) *t = at::empty({0}, f32);
+  if (!argmax.defined()) argmax = at::empty({0}, f32.dtype(at::kLong));
+  if (!grad.defined()) grad = at::empty({0}, logits.options());
   return f;
 }
 

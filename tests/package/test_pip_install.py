@@ -2,8 +2,8 @@
 packages through a .pth file, so PyTorch is not installed again): plain (pip's isolated build
 against torch==2.11.0) and with --no-build-isolation (against this Python's PyTorch), each then
 `import xent` from another directory with no XENT_TORCH_LIB or PYTHONPATH: the package must bring
-its own library, name its torch requirement, and compute the loss. Then `pip install -e .` must
-import from the source tree.
+its own library (and xent._C beside it), name its torch requirement, and compute the loss. Then
+`pip install -e .` must import from the source tree.
 
 Run (from the repository root; needs scikit-build-core, torch and the CUDA toolkit):
     python3 -m pytest -q tests/package/test_pip_install.py
@@ -13,6 +13,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -31,9 +32,21 @@ CHECK = textwrap.dedent("""
     want = F.cross_entropy(x.detach().double(), t)
     print(json.dumps(dict(
         file=xent.__file__, library=xent.library_path(), loss=float(loss), want=float(want),
+        direct=None if xent._direct is None else xent._direct.__file__,
         grad_finite=bool(torch.isfinite(x.grad).all()),
         requires=importlib.metadata.requires("xent"))))
 """)
+
+
+# xent._C is built wherever this Python's headers are (as they are for the build's Python here).
+HAS_PYTHON_HEADERS = pathlib.Path(sysconfig.get_paths()["include"], "Python.h").is_file()
+
+
+def check_direct(got):
+    """xent._C was installed beside the library and loaded (where it can be built)."""
+    if HAS_PYTHON_HEADERS:
+        assert got["direct"] is not None, f"xent._C missing or not loaded: {got}"
+        assert pathlib.Path(got["direct"]).parent == pathlib.Path(got["library"]).parent, got
 
 
 def clean_env():
@@ -106,6 +119,7 @@ def test_pip_install_then_import_anywhere(venv, tmp_path, isolation):
     assert "pip-build-env" not in runpath and "$ORIGIN" in runpath, runpath
     assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
     assert got["grad_finite"], got
+    check_direct(got)
     version = torch.__version__.split("+")[0]
     assert got["requires"] == [f"torch=={version}"], got
 
@@ -115,3 +129,4 @@ def test_editable_install_imports_the_source_tree(venv, tmp_path):
     got = check_import(venv, tmp_path)
     assert pathlib.Path(got["file"]) == REPO / "python" / "xent" / "__init__.py", got
     assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
+    check_direct(got)

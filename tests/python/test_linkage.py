@@ -1,4 +1,5 @@
-"""libxent_torch.so links the shared libstdc++ and carries no copy of it.
+"""libxent_torch.so (and xent._C, where it is built) links the shared libstdc++ and carries no
+copy of it.
 
 A copy of libstdc++ linked into the library (a toolchain with only libstdc++.a, as /opt/gcc on
 the GPU machines) made every error message holding a number crash the Python process: the copy's
@@ -47,17 +48,27 @@ needs_binutils = pytest.mark.skipif(not shutil.which("nm") or not shutil.which("
                                     reason="needs nm and readelf (binutils)")
 
 
+def _libraries():
+    """The shared objects `import xent` loaded: the library, and xent._C where there is one."""
+    paths = [xent.library_path()]
+    if xent._direct is not None:
+        paths.append(xent._direct.__file__)
+    return paths
+
+
 @needs_binutils
-def test_library_needs_the_shared_libstdcxx():
-    needed = [l for l in _lines(["readelf", "-d", xent.library_path()]) if "(NEEDED)" in l]
+@pytest.mark.parametrize("path", _libraries(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_library_needs_the_shared_libstdcxx(path):
+    needed = [l for l in _lines(["readelf", "-d", path]) if "(NEEDED)" in l]
     assert any("libstdc++.so" in l for l in needed), "NEEDED has no libstdc++.so: " + str(needed)
 
 
 @needs_binutils
-def test_library_defines_no_libstdcxx_internals():
-    ours = _defined(xent.library_path())
-    assert not [s for s in SENTINELS if s in ours], "libstdc++'s own code is inside the library"
+@pytest.mark.parametrize("path", _libraries(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_library_defines_no_libstdcxx_internals(path):
+    ours = _defined(path)
+    assert not [s for s in SENTINELS if s in ours], "libstdc++'s own code is inside " + path
     # A good build shares only a few inline members (e.g. basic_stringbuf's destructors) with
     # libstdc++'s exports; a static copy shares thousands.
     shared = ours & _defined(_libstdcxx_of_this_process())
-    assert len(shared) < 50, f"{len(shared)} symbols of libstdc++ defined in the library"
+    assert len(shared) < 50, f"{len(shared)} symbols of libstdc++ defined in {path}"
