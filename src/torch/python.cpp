@@ -1,10 +1,10 @@
 // xent._C: the public operators called straight from Python, for `import xent` in eager mode.
 //
 // torch.ops.xent.vocab_parallel_cross_entropy(...) parses its 13 arguments against the schema
-// into a stack of IValues and calls the operator boxed: about 2 µs of host time per call more
-// than this direct call (on a CPU host, 4.4 against 2.6 µs for a whole one-row call),
-// and more when the step starts from an idle GPU, where every microsecond before the first
-// kernel is a microsecond on the GPU's clock. The functions here take the same arguments and end
+// into a stack of IValues and calls the operator boxed: host time on every call that this direct
+// call does not spend (bench/host_call.py; figures in docs/torch.md), and more when the step
+// starts from an idle GPU, where every microsecond before the first kernel is a microsecond on
+// the GPU's clock. The functions here take the same arguments and end
 // in the same code (op.cpp's loss_entry and stats_entry), so the two paths cannot differ.
 // python/xent/__init__.py calls them only where the operator would do nothing else: plain
 // tensors, no torch.compile tracing and no __torch_function__ mode (those take torch.ops).
