@@ -4,8 +4,8 @@
 // into a stack of IValues and calls the operator boxed: host time on every call that this direct
 // call does not spend (bench/host_call.py; figures in docs/torch.md), and more when the step
 // starts from an idle GPU, where every microsecond before the first kernel is a microsecond on
-// the GPU's clock. The functions here take the same arguments and end
-// in the same code (op.cpp's loss_entry and stats_entry), so the two paths cannot differ.
+// the GPU's clock. The functions here take the same arguments and end in the same code (op.cpp's
+// loss_entry and stats_entry), so the two paths cannot differ.
 // python/xent/__init__.py calls them only where the operator would do nothing else: plain
 // tensors, no torch.compile tracing and no __torch_function__ mode (those take torch.ops).
 #include <ATen/record_function.h>
