@@ -27,16 +27,17 @@ DeviceInfo device_info();
 // check does not report it again).
 void launch_failed(const char* name, cudaError_t e);
 
-// kernel<<<grid, block, 0, stream>>>(args...) in clusters of `cluster` blocks (1: none), with
+// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster` blocks (1: none), with
 // programmatic stream serialization when `pdl` and the device takes it; reports the launch's own
 // status only (cudaGetLastError here would also report an earlier, unrelated asynchronous error
 // of the caller's as this launch's).
 template <typename... Params, typename... Args>
 void launch_clusters(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block,
-                     unsigned cluster, bool pdl, cudaStream_t stream, Args&&... args) {
+                     unsigned cluster, size_t smem, bool pdl, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(block);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
@@ -57,7 +58,7 @@ void launch_clusters(const char* name, void (*kernel)(Params...), unsigned grid,
 template <typename... Params, typename... Args>
 void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block, bool pdl,
             cudaStream_t stream, Args&&... args) {
-  launch_clusters(name, kernel, grid, block, 1, pdl, stream, std::forward<Args>(args)...);
+  launch_clusters(name, kernel, grid, block, 1, 0, pdl, stream, std::forward<Args>(args)...);
 }
 
 // f(std::bool_constant<b>{}): a run-time flag as a template argument.

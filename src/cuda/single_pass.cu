@@ -1,14 +1,18 @@
 // The single-pass kernel: one rank, fused gradient, each row read from memory once. A row is held
-// in registers (kPacks 16-byte packs per thread) by one block, or for wide rows by a cluster of
-// up to 8 blocks that each hold a part and merge their statistics through distributed shared
-// memory (sm_90). From the registers: the row's statistics (StatsAgent, as the statistics kernel
-// takes them), its record, then the gradient (GradAgent). The steps around it are the two-pass
-// path's: count_valid before it (the reduction's scale, from the targets alone) and finalize
-// after it (lse, losses and the reductions from the records). The gradient takes the lse that
-// finalize computes from the row's record (RowTarget::one_rank_lse).
+// on chip by one block, or for wide rows by a cluster of blocks that each hold a part and merge
+// their statistics through distributed shared memory (sm_90). A thread holds kPacks 16-byte packs
+// in registers and, in the wider shapes, kSmemPacks more in shared memory (copied there
+// asynchronously, so that they are in flight beside the register loads). From the held row: its
+// statistics (StatsAgent, as the statistics kernel takes them), its record, then the gradient
+// (GradAgent). The steps around it are the two-pass path's: count_valid before it (the
+// reduction's scale, from the targets alone) and finalize after it (lse, losses and the reductions
+// from the records). The gradient takes the lse that finalize computes from the row's record
+// (RowTarget::one_rank_lse).
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <climits>
 #include <string>
 #include <tuple>
@@ -18,23 +22,44 @@
 #include "core/record.h"
 #include "cuda/launch.cuh"
 #include "cuda/row_agents.cuh"
+#include "error.h"
 
 namespace xent::cuda {
 namespace {
 
 using namespace detail;
 
-// The shapes, smallest first: clusters of kBlocks blocks of kThreads threads holding kPacks
-// packs each. Registers hold the row (32 of them for 8 packs); the launch bounds keep a thread
-// at 64 registers, so that 1024 threads (64 to 128 KB of rows in flight) fit an SM.
-template <int Threads, int Packs, int Blocks>
+// The shapes, smallest first: clusters of kBlocks blocks of kThreads threads, each thread holding
+// kPacks packs in registers (4 registers a pack) and kSmemPacks in shared memory. The launch
+// bounds keep a thread at 64 registers, so that 1024 threads fit an SM: 64 to 256 KB of rows in
+// flight on it.
+template <int Threads, int Packs, int Blocks, int SmemPacks = 0>
 struct Shape {
   static constexpr int kThreads = Threads;
-  static constexpr int kPacks = Packs;
-  static constexpr int kBlocks = Blocks;  // a cluster's, 8 at most (the portable size)
+  static constexpr int kPacks = Packs;          // in registers
+  static constexpr int kSmemPacks = SmemPacks;  // in shared memory
+  static constexpr int kBlocks = Blocks;        // a cluster's, 8 at most (the portable size)
   static constexpr int kMinBlocks = 1024 / Threads;
-  static constexpr int64_t kRowPacks = static_cast<int64_t>(Threads) * Packs * Blocks;
+  static constexpr int kBlockPacks = Threads * (Packs + SmemPacks);
+  static constexpr size_t kSmemBytes = static_cast<size_t>(Threads) * SmemPacks * 16;
+  static constexpr int64_t kRowPacks = static_cast<int64_t>(kBlockPacks) * Blocks;
 };
+// cp.async: a 16-byte copy from global to shared memory that needs no register (sm_80 on; shapes
+// with shared-memory packs run on sm_90 only, see single_pass_fits).
+__device__ __forceinline__ void copy_async_16(uint4* to, const uint4* from) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   static_cast<unsigned>(__cvta_generic_to_shared(to))),
+               "l"(from));
+#else
+  *to = *from;
+#endif
+}
+__device__ __forceinline__ void wait_async_copies() {  // this thread's own
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
 // A cluster's calls, from sm_90 on (single_pass_fits picks no cluster shape below it; the
 // fallbacks only keep other architectures compiling).
 __device__ __forceinline__ int cluster_rank() {
@@ -88,11 +113,21 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   RowTarget<E> rt;
   if (t == 0) rt.fetch(p, targets, row, x, n);
 
-  // This block's part of the row into registers: packs base + t + u * kThreads of the aligned
-  // body; the unaligned head goes to the first block, the tail to the last, an element a thread.
+  // This block's part of the row on chip: of the aligned body, packs base + t + u * kThreads into
+  // registers and sbase + t + u * kThreads into shared memory (the copies issued first); the
+  // unaligned head goes to the first block, the tail to the last, an element a thread.
   const RowSplit s = split_row(x, n);
-  const int base = rank * S::kThreads * S::kPacks;
+  const int base = rank * S::kBlockPacks;
+  const int sbase = base + S::kThreads * S::kPacks;  // the packs held in shared memory
   const uint4* q = reinterpret_cast<const uint4*>(x + s.head);
+  extern __shared__ uint4 held[];  // kThreads * kSmemPacks: thread t's packs t + u * kThreads
+  if constexpr (S::kSmemPacks > 0) {
+#pragma unroll
+    for (int u = 0; u < S::kSmemPacks; ++u) {
+      const int i = sbase + t + u * S::kThreads;
+      if (i < s.nv) copy_async_16(&held[t + u * S::kThreads], q + i);
+    }
+  }
   Pack<T> v[S::kPacks];
 #pragma unroll
   for (int u = 0; u < S::kPacks; ++u) {
@@ -125,6 +160,27 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       a.chunk(c);
     }
   }
+  if constexpr (S::kSmemPacks > 0) {
+    static_assert(S::kSmemPacks % kU == 0, "whole chunks of 16 elements");
+    wait_async_copies();  // this thread's own copies: it reads only those
+#pragma unroll
+    for (int j = 0; j < S::kSmemPacks / kU; ++j) {
+      const int i0 = sbase + t + j * kU * S::kThreads;
+      if (i0 < s.nv) {
+        Chunk<T, kU> c;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int h = t + (j * kU + u) * S::kThreads;
+          c.v[u].v = sbase + h < s.nv ? held[h] : Agent::fill();
+        }
+        const int left = s.nv - i0;
+        c.valid = left >= kU * S::kThreads ? kU : (left + S::kThreads - 1) / S::kThreads;
+        c.col0 = s.head + i0 * kN;
+        c.stride = S::kThreads * kN;
+        a.chunk(c);
+      }
+    }
+  }
   core::LocalStats st = a.finish(smem);
   if constexpr (S::kBlocks > 1) {
     // Every block merges the cluster's parts in rank order: the same statistics in each.
@@ -149,23 +205,33 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   T* dx = static_cast<T*>(out.data) + row * out.row_stride;
   const bool same_alignment =
       ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(dx)) & 15u) == 0;
+  const auto write_pack = [&](const auto& f, const Pack<T>& in_pack, int i) {
+    const int col0 = s.head + i * kN;
+    Pack<T> g;
+#pragma unroll
+    for (int e = 0; e < kN; ++e) g.e[e] = f(in_pack.e[e], col0 + e);
+    if (same_alignment) {
+      reinterpret_cast<uint4*>(dx + s.head)[i] = g.v;
+    } else {  // a separate gradient buffer whose rows sit differently modulo 16 bytes
+#pragma unroll
+      for (int e = 0; e < kN; ++e) dx[col0 + e] = g.e[e];
+    }
+  };
   const auto write = [&](const auto& f) {
     if (has_head) dx[t] = f(head, t);
     if (has_tail) dx[s.tail0 + t] = f(tail, s.tail0 + t);
 #pragma unroll
     for (int u = 0; u < S::kPacks; ++u) {
       const int i = base + t + u * S::kThreads;
+      if (i < s.nv) write_pack(f, v[u], i);
+    }
+#pragma unroll
+    for (int u = 0; u < S::kSmemPacks; ++u) {
+      const int i = sbase + t + u * S::kThreads;
       if (i < s.nv) {
-        const int col0 = s.head + i * kN;
-        Pack<T> g;
-#pragma unroll
-        for (int e = 0; e < kN; ++e) g.e[e] = f(v[u].e[e], col0 + e);
-        if (same_alignment) {
-          reinterpret_cast<uint4*>(dx + s.head)[i] = g.v;
-        } else {  // a separate gradient buffer whose rows sit differently modulo 16 bytes
-#pragma unroll
-          for (int e = 0; e < kN; ++e) dx[col0 + e] = g.e[e];
-        }
+        Pack<T> w;
+        w.v = held[t + u * S::kThreads];
+        write_pack(f, w, i);
       }
     }
   };
@@ -176,18 +242,23 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 }
 
 // f(shape) for the smallest shape that holds a row of `cols` elements of type T.
-// Measured on H100 (8192 rows, bf16, 128256 columns: 1.674 ms with these shapes) and rejected:
-// clusters of 256-thread blocks (1.937 ms); 4 packs per thread at 3 blocks per SM (40
-// registers, spilled: 2.356 ms); streaming loads and stores (__ldcs, __stcs: 1.776 ms, and no
-// gain at 16032 or 32064 columns).
-using Shapes = std::tuple<Shape<256, 8, 1>, Shape<512, 8, 1>, Shape<512, 8, 2>, Shape<512, 8, 4>,
-                          Shape<512, 8, 8>>;
+// Measured on H100 (8192 rows, bf16, mean, fused, forward + backward; 93 % of the 2-pass floor):
+// 128256 columns 1.497 ms in clusters of 2 of these shapes, against 1.611 ms with 8 packs in
+// registers and 8 in shared memory, and 1.684 ms with the whole row in registers (clusters of 4;
+// Nsight Compute: at most 62 of them resident, 248 of the 264 block slots). With softcap 30 the
+// clusters now beat the two-pass path too (256000 columns: 4.007 against 4.325 ms; 64128: 0.895
+// against 1.091), so capped rows take them; in clusters of 8 of the whole-row-in-registers
+// shapes they had lost (5.05 against 4.33 ms at 256000). Also rejected:
+// clusters of 256-thread blocks (1.937 ms); 4 packs per thread at 3 blocks per SM (40 registers,
+// spilled: 2.356 ms); streaming loads and stores (__ldcs, __stcs: 1.776 ms, and no gain at 16032
+// or 32064 columns); an L2 prefetch of the row a block's successor takes (2.09 ms: the prefetched
+// lines were evicted before use). Rows of up to 4096 packs stay in registers: 32064 columns run
+// at 94 % of the floor there.
+using Shapes = std::tuple<Shape<256, 8, 1>, Shape<512, 8, 1>, Shape<512, 4, 1, 12>,
+                          Shape<512, 4, 2, 12>, Shape<512, 4, 4, 12>>;
 constexpr int64_t kLargestRowPacks = std::tuple_element_t<4, Shapes>::kRowPacks;
-// The widest row one block holds: the limit below compute capability 9.0 (no clusters), and
-// with a softcap. With a softcap a block's compute between its loads and its stores is long (three
-// MUFU operations per element in each phase), and a cluster's blocks wait for one another besides:
-// on H100, 8192 x 256000 bf16 with softcap 30 took 5.05 ms in clusters of 8 against 4.33 ms on
-// the two-pass path, while rows that one block holds gained (8192 x 32064: 0.488 against 0.560).
+// The widest row one block holds in registers: the limit below compute capability 9.0 (no
+// clusters, and shared memory per SM too small for two blocks of the wider shapes).
 constexpr int64_t kLargestBlockRowPacks = std::tuple_element_t<1, Shapes>::kRowPacks;
 
 // 16-byte packs in a row of p's columns.
@@ -214,7 +285,7 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
   const bool block_row = row_packs(p, dtype) > RowPolicy::kWarpRowPacks;
   const bool clusters = device_info().pdl;  // compute capability 9.0 and newer
-  const int64_t most = p.softcap > 0.0f || !clusters ? kLargestBlockRowPacks : kLargestRowPacks;
+  const int64_t most = clusters ? kLargestRowPacks : kLargestBlockRowPacks;
   return block_row && p.cols <= most * n;
 }
 
@@ -238,9 +309,23 @@ void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsV
       const auto grid = static_cast<unsigned>(p.rows * S::kBlocks);
       dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
         const auto go = [&](auto variant) {
-          launch_clusters("xent single-pass kernel", single_pass_kernel<E, S, variant(), cap()>,
-                          grid, S::kThreads, S::kBlocks, p.programmatic_launch, stream, p, in, out,
-                          targets, ptr);
+          const auto kernel = single_pass_kernel<E, S, variant(), cap()>;
+          if constexpr (S::kSmemBytes > 48 * 1024) {
+            // Past 48 KB a kernel asks for its shared memory, on each device. `asked` is one per
+            // instantiation of this lambda, so one per kernel; devices past it ask every time.
+            static std::array<std::atomic<bool>, 1024> asked{};
+            int dev = 0;
+            check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+            const bool cached = dev >= 0 && dev < static_cast<int>(asked.size());
+            if (!(cached && asked[dev].load(std::memory_order_relaxed))) {
+              const cudaError_t e = cudaFuncSetAttribute(
+                  kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
+              if (e != cudaSuccess) launch_failed("xent single-pass kernel (shared memory)", e);
+              if (cached) asked[dev].store(true, std::memory_order_relaxed);
+            }
+          }
+          launch_clusters("xent single-pass kernel", kernel, grid, S::kThreads, S::kBlocks,
+                          S::kSmemBytes, p.programmatic_launch, stream, p, in, out, targets, ptr);
         };
         using V = Variant;
         // Only the pairs that occur: plain has no cap, capped always one.

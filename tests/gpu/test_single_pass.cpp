@@ -41,12 +41,14 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
   SKIP_WITHOUT_GPU();
   for (DType d : {DType::bf16, DType::f16, DType::f32}) {
     const bool wide = d != DType::f32;  // 8 or 4 elements per 16-byte pack
-    // Each shape (a block of 256 or 512 threads, clusters of 2, 4 and 8), near their ends, with
-    // unaligned strides and a separate gradient buffer.
+    // Each shape (a block of 256 or 512 threads holding the row in registers; 512 threads with
+    // part of it in shared memory, alone and in clusters of 2 and 4), near its end and part
+    // filled, with unaligned strides and a separate gradient buffer.
     const RowShape setups[] = {
         {wide ? 4105 : 2053, 0, false},     {wide ? 9000 : 4500, 3, false},
         {wide ? 32760 : 16380, 1, true},    {wide ? 20000 : 10000, 0, true},
-        {wide ? 40000 : 20000, 1, false},   {wide ? 128256 : 64128, 0, true},
+        {wide ? 40000 : 20000, 1, false},   {wide ? 65530 : 32765, 0, true},
+        {wide ? 100000 : 50000, 3, true},   {wide ? 128256 : 64128, 0, true},
         {wide ? 262141 : 131069, 3, false}, {wide ? 200000 : 100000, 0, false}};
     for (const RowShape& s : setups)
       for (const Variant& v : kVariants) {
@@ -70,9 +72,7 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
           SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
           opt.single_pass = single;
           const OneRankRun r = xtest::gpu::run_one_rank(x, targets, d, opt, s);
-          // With a softcap, rows wider than one block's take the two-pass path.
-          const bool capped_wide = v.softcap > 0.0f && s.cols > (wide ? 32768 : 16384);
-          EXPECT_EQ(r.path, single && !capped_wide ? "single-pass" : "two-pass");
+          EXPECT_EQ(r.path, single ? "single-pass" : "two-pass");
           xtest::expect_outputs(r.out, ref, targets, ro);
           EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0, {}, /*check_gap=*/true, 77.0));
           EXPECT_EQ(r.error, "");
@@ -125,9 +125,10 @@ TEST(SinglePass, PathChoice) {
   EXPECT_EQ(path(DType::f32, 131072), "single-pass");
   EXPECT_EQ(path(DType::f32, 131076), "two-pass");
   xent::Options opt;
-  opt.softcap = 30.0f;  // a softcap: rows that one block holds only
-  EXPECT_EQ(path(DType::bf16, 32768, opt), "single-pass");
-  EXPECT_EQ(path(DType::bf16, 32776, opt), "two-pass");
+  opt.softcap = 30.0f;  // a softcap: the same widths
+  EXPECT_EQ(path(DType::bf16, 32776, opt), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 262144, opt), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 262152, opt), "two-pass");
   opt = {};
   opt.single_pass = false;
   EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
