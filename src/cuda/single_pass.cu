@@ -142,37 +142,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   // The statistics, in chunks of 16 elements (StatsAgent unpacks a chunk at once: the walk's
   // chunks of 32 two-byte elements would not fit in registers beside the row).
   constexpr int kU = 16 / kN;
-  static_assert(S::kPacks % kU == 0, "whole chunks of 16 elements");
   Agent a(p);
   if (has_head) a.elem(head, t);
   if (has_tail) a.elem(tail, s.tail0 + t);
+  // The chunks of the thread's packs `first + t + u * kThreads`, u < kCount, pack(u) the u-th.
+  const auto take = [&](int first, auto count, const auto& pack) {
+    constexpr int kCount = decltype(count)::value;
+    static_assert(kCount % kU == 0, "whole chunks of 16 elements");
 #pragma unroll
-  for (int j = 0; j < S::kPacks / kU; ++j) {
-    const int i0 = base + t + j * kU * S::kThreads;
-    if (i0 < s.nv) {
-      Chunk<T, kU> c;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) c.v[u] = v[j * kU + u];
-      const int left = s.nv - i0;
-      c.valid = left >= kU * S::kThreads ? kU : (left + S::kThreads - 1) / S::kThreads;
-      c.col0 = s.head + i0 * kN;
-      c.stride = S::kThreads * kN;
-      a.chunk(c);
-    }
-  }
-  if constexpr (S::kSmemPacks > 0) {
-    static_assert(S::kSmemPacks % kU == 0, "whole chunks of 16 elements");
-    wait_async_copies();  // this thread's own copies: it reads only those
-#pragma unroll
-    for (int j = 0; j < S::kSmemPacks / kU; ++j) {
-      const int i0 = sbase + t + j * kU * S::kThreads;
+    for (int j = 0; j < kCount / kU; ++j) {
+      const int i0 = first + t + j * kU * S::kThreads;
       if (i0 < s.nv) {
         Chunk<T, kU> c;
 #pragma unroll
-        for (int u = 0; u < kU; ++u) {
-          const int h = t + (j * kU + u) * S::kThreads;
-          c.v[u].v = sbase + h < s.nv ? held[h] : Agent::fill();
-        }
+        for (int u = 0; u < kU; ++u) c.v[u] = pack(j * kU + u);
         const int left = s.nv - i0;
         c.valid = left >= kU * S::kThreads ? kU : (left + S::kThreads - 1) / S::kThreads;
         c.col0 = s.head + i0 * kN;
@@ -180,6 +163,16 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         a.chunk(c);
       }
     }
+  };
+  take(base, std::integral_constant<int, S::kPacks>{}, [&](int u) { return v[u]; });
+  if constexpr (S::kSmemPacks > 0) {
+    wait_async_copies();  // this thread's own copies: it reads only those
+    take(sbase, std::integral_constant<int, S::kSmemPacks>{}, [&](int u) {
+      const int h = t + u * S::kThreads;
+      Pack<T> w;
+      w.v = sbase + h < s.nv ? held[h] : Agent::fill();
+      return w;
+    });
   }
   core::LocalStats st = a.finish(smem);
   if constexpr (S::kBlocks > 1) {
