@@ -109,7 +109,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   const int64_t row = blockIdx.x / S::kBlocks;
   const int t = static_cast<int>(threadIdx.x);
   const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
-  const int n = static_cast<int>(p.cols);  // all real (single_pass_fits)
+  // The real columns: padding columns past them are never read, and get gradient 0 below.
+  const int n = static_cast<int>(p.real_cols);
   RowTarget<E> rt;
   if (t == 0) rt.fetch(p, targets, row, x, n);
 
@@ -232,6 +233,8 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     write(GradAgent<E, kCap>(p, row_target, row_lse, ptr.scalars[Workspace::kScale]));
   else
     write([](T, int) { return T{}; });
+  if (rank == S::kBlocks - 1)  // the padding (kMostPadding columns at most, single_pass_fits)
+    for (int c = n + t; c < static_cast<int>(p.cols); c += S::kThreads) dx[c] = T{};
 }
 
 // f(shape) for the smallest shape that holds a row of `cols` elements of type T.
@@ -246,17 +249,23 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 // spilled: 2.356 ms); streaming loads and stores (__ldcs, __stcs: 1.776 ms, and no gain at 16032
 // or 32064 columns); an L2 prefetch of the row a block's successor takes (2.09 ms: the prefetched
 // lines were evicted before use). Rows of up to 4096 packs stay in registers: 32064 columns run
-// at 94 % of the floor there.
+// at 94 % of the floor there. Clusters of 3 keep Qwen's 151936 columns from clusters of 4 that
+// would be 58 % full (1.885 against 2.147 ms).
 using Shapes = std::tuple<Shape<256, 8, 1>, Shape<512, 8, 1>, Shape<512, 4, 1, 12>,
-                          Shape<512, 4, 2, 12>, Shape<512, 4, 4, 12>>;
-constexpr int64_t kLargestRowPacks = std::tuple_element_t<4, Shapes>::kRowPacks;
+                          Shape<512, 4, 2, 12>, Shape<512, 4, 3, 12>, Shape<512, 4, 4, 12>>;
+constexpr int64_t kLargestRowPacks =
+    std::tuple_element_t<std::tuple_size_v<Shapes> - 1, Shapes>::kRowPacks;
 // The widest row one block holds in registers: the limit below compute capability 9.0 (no
 // clusters, and shared memory per SM too small for two blocks of the wider shapes).
 constexpr int64_t kLargestBlockRowPacks = std::tuple_element_t<1, Shapes>::kRowPacks;
 
-// 16-byte packs in a row of p's columns.
+// Padding columns (past vocab_size) that the single-pass kernel zeroes in its gradient, at most:
+// one block's threads write them an element each, where the two-pass path would stream them.
+constexpr int64_t kMostPadding = 4096;
+
+// 16-byte packs in a row of p's real columns (the ones the kernel holds).
 int64_t row_packs(const core::Problem& p, DType dtype) {
-  return p.cols / static_cast<int64_t>(16 / dtype_size(dtype));
+  return p.real_cols / static_cast<int64_t>(16 / dtype_size(dtype));
 }
 
 template <size_t I = 0, typename F>
@@ -273,13 +282,13 @@ void dispatch_shape(int64_t packs, F&& f) {
 }  // namespace
 
 bool single_pass_fits(const core::Problem& p, DType dtype) {
-  if (p.real_cols != p.cols) return false;  // padding columns: the two-pass path
+  if (p.cols - p.real_cols > kMostPadding) return false;
   const int64_t n = static_cast<int64_t>(16 / dtype_size(dtype));  // elements per pack
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
   const bool block_row = row_packs(p, dtype) > RowPolicy::kWarpRowPacks;
   const bool clusters = device_info().pdl;  // compute capability 9.0 and newer
   const int64_t most = clusters ? kLargestRowPacks : kLargestBlockRowPacks;
-  return block_row && p.cols <= most * n;
+  return block_row && p.real_cols <= most * n;
 }
 
 void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
@@ -290,7 +299,8 @@ void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsV
   // api.cpp asked single_pass_fits; a row past the largest shape would be left half written.
   const int64_t packs = row_packs(p, in.dtype);
   if (packs > kLargestRowPacks)
-    fail("the single-pass kernel cannot hold rows of " + std::to_string(p.cols) + " columns");
+    fail("the single-pass kernel cannot hold rows of " + std::to_string(p.real_cols) +
+         " real columns");
   const SinglePassPointers ptr{record, error, scalars};
   const Variant v = variant_of(p);
   core::dispatch_dtype(in.dtype, [&](auto e) {

@@ -1,9 +1,9 @@
 // The single-pass path (one rank, fused, rows held on chip: Options::single_pass) against the
 // fp64 reference with the same bounds as the two-pass path, and the two-pass fallback forced
-// (single_pass = false) on the same inputs: every statistics variant, row widths on both block
-// shapes (clusters of blocks for wide rows) and unaligned row strides, the gradient over the logits
-// or into a buffer aligned differently, ignored and out-of-range targets; and forward_path's choice
-// at the edges.
+// (single_pass = false) on the same inputs: every statistics variant, row widths on every block
+// shape (clusters of blocks for wide rows) and unaligned row strides, the gradient over the logits
+// or into a buffer aligned differently, padding columns, ignored and out-of-range targets; and
+// forward_path's choice at the edges.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <xent/xent.h>
@@ -37,19 +37,47 @@ const Variant kVariants[] = {
     {"general-smoothing-zloss", 0.0f, 0.1f, 1e-3f, xent::Reduction::mean, 2.0},
 };
 
+// x on the single pass and on the two passes forced, each against the fp64 reference; vocab
+// below the columns makes the rest padding, whose gradient must be 0.
+void expect_both_paths(const xtest::Matrix& x, const std::vector<int64_t>& targets, DType d,
+                       const Variant& v, int64_t vocab, const RowShape& s) {
+  xent::Options opt;
+  opt.softcap = v.softcap;
+  opt.label_smoothing = v.label_smoothing;
+  opt.z_loss = v.z_loss;
+  opt.reduction = v.reduction;
+  if (vocab < s.cols) opt.vocab_size = vocab;
+  const xtest::RefOptions ro = xtest::ref_options(opt, vocab);
+  const xtest::RefResult ref = xtest::reference(x, targets, ro);
+  for (bool single : {true, false}) {
+    SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
+    opt.single_pass = single;
+    const OneRankRun r = xtest::gpu::run_one_rank(x, targets, d, opt, s);
+    EXPECT_EQ(r.path, single ? "single-pass" : "two-pass");
+    xtest::expect_outputs(r.out, ref, targets, ro);
+    EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0, {}, /*check_gap=*/true, 77.0));
+    int64_t nonzero_padding = 0;
+    for (int64_t i = 0; i < static_cast<int64_t>(targets.size()); ++i)
+      for (int64_t j = vocab; j < s.cols; ++j) nonzero_padding += r.grad.get(i, j) != 0.0;
+    EXPECT_EQ(nonzero_padding, 0);
+    EXPECT_EQ(r.error, "");
+  }
+}
+
 TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
   SKIP_WITHOUT_GPU();
   for (DType d : {DType::bf16, DType::f16, DType::f32}) {
     const bool wide = d != DType::f32;  // 8 or 4 elements per 16-byte pack
     // Each shape (a block of 256 or 512 threads holding the row in registers; 512 threads with
-    // part of it in shared memory, alone and in clusters of 2 and 4), near its end and part
+    // part of it in shared memory, alone and in clusters of 2, 3 and 4), near its end and part
     // filled, with unaligned strides and a separate gradient buffer.
     const RowShape setups[] = {
-        {wide ? 4105 : 2053, 0, false},     {wide ? 9000 : 4500, 3, false},
-        {wide ? 32760 : 16380, 1, true},    {wide ? 20000 : 10000, 0, true},
-        {wide ? 40000 : 20000, 1, false},   {wide ? 65530 : 32765, 0, true},
-        {wide ? 100000 : 50000, 3, true},   {wide ? 128256 : 64128, 0, true},
-        {wide ? 262141 : 131069, 3, false}, {wide ? 200000 : 100000, 0, false}};
+        {wide ? 4105 : 2053, 0, false},    {wide ? 9000 : 4500, 3, false},
+        {wide ? 32760 : 16380, 1, true},   {wide ? 20000 : 10000, 0, true},
+        {wide ? 40000 : 20000, 1, false},  {wide ? 65530 : 32765, 0, true},
+        {wide ? 100000 : 50000, 3, true},  {wide ? 128256 : 64128, 0, true},
+        {wide ? 151936 : 75968, 1, true},  {wide ? 262141 : 131069, 3, false},
+        {wide ? 200000 : 100000, 0, false}};
     for (const RowShape& s : setups)
       for (const Variant& v : kVariants) {
         SCOPED_TRACE(std::string(v.name) + " " + xent::to_string(d) + " cols " +
@@ -61,24 +89,42 @@ TEST(SinglePass, MatchesFp64AndTheTwoPassPath) {
         x.at(2, s.cols - 1) = xtest::round_to(d, 5.0 * v.sigma);
         std::vector<int64_t> targets = xtest::random_targets(rows, s.cols, 9 + s.cols, 0.15);
         targets[4] = s.cols - 1;  // the last column, in the tail or the last pack
-        xent::Options opt;
-        opt.softcap = v.softcap;
-        opt.label_smoothing = v.label_smoothing;
-        opt.z_loss = v.z_loss;
-        opt.reduction = v.reduction;
-        const xtest::RefOptions ro = xtest::ref_options(opt, s.cols);
-        const xtest::RefResult ref = xtest::reference(x, targets, ro);
-        for (bool single : {true, false}) {
-          SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
-          opt.single_pass = single;
-          const OneRankRun r = xtest::gpu::run_one_rank(x, targets, d, opt, s);
-          EXPECT_EQ(r.path, single ? "single-pass" : "two-pass");
-          xtest::expect_outputs(r.out, ref, targets, ro);
-          EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0, {}, /*check_gap=*/true, 77.0));
-          EXPECT_EQ(r.error, "");
-        }
+        expect_both_paths(x, targets, d, v, s.cols, s);
       }
   }
+}
+
+// Padding columns (vocab_size below the columns, as GPT-2's 50257 classes padded to 50304): the
+// single pass holds the real columns only and writes 0 into the padding's gradient, over the
+// logits (which held garbage there) or into a separate buffer; the same as fp64 and as two passes.
+TEST(SinglePass, PaddingColumns) {
+  SKIP_WITHOUT_GPU();
+  struct Case {
+    DType dtype;
+    int64_t cols, vocab;
+    RowShape shape;
+  };
+  const Case cases[] = {
+      {DType::bf16, 50304, 50257, {50304, 0, false}},    // one block, padding inside a pack
+      {DType::bf16, 50304, 50257, {50304, 3, true}},     // unaligned rows, separate gradient
+      {DType::f16, 131072, 128000, {131072, 0, false}},  // a cluster of 2, 3072 padding columns
+      {DType::f32, 24100, 20004, {24100, 1, true}},      // 4096 padding columns, the most
+  };
+  const Variant variants[] = {kVariants[0], kVariants[2], kVariants[4]};
+  for (const Case& c : cases)
+    for (const Variant& v : variants) {
+      SCOPED_TRACE(std::string(v.name) + " " + xent::to_string(c.dtype) + " cols " +
+                   std::to_string(c.cols) + " vocab " + std::to_string(c.vocab) + " stride +" +
+                   std::to_string(c.shape.stride_extra) +
+                   (c.shape.separate_grad ? " separate grad" : " in place"));
+      const int64_t rows = 8;
+      xtest::Matrix x = xtest::random_logits(rows, c.cols, 7 + c.cols, c.dtype, v.sigma);
+      for (int64_t r = 0; r < rows; ++r)  // padding logits larger than any real one
+        for (int64_t j = c.vocab; j < c.cols; ++j) x.at(r, j) = xtest::round_to(c.dtype, 4e3);
+      std::vector<int64_t> targets = xtest::random_targets(rows, c.vocab, 11, 0.15);
+      targets[1] = c.vocab - 1;
+      expect_both_paths(x, targets, c.dtype, v, c.vocab, c.shape);
+    }
 }
 
 // Out-of-range targets on the single-pass path: the row's loss is NaN, its gradient 0, and
@@ -136,8 +182,13 @@ TEST(SinglePass, PathChoice) {
   opt.grad_mode = xent::GradMode::deferred;
   EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
   opt = {};
-  opt.vocab_size = 16000;  // padding columns
-  EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");
+  opt.vocab_size = 16000;  // padding columns: up to 4096 of them, the single pass zeroes them
+  EXPECT_EQ(path(DType::bf16, 16032, opt), "single-pass");
+  opt.vocab_size = 20000;
+  EXPECT_EQ(path(DType::bf16, 24096, opt), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 24097, opt), "two-pass");
+  opt.vocab_size = 4096;  // real columns that a warp takes
+  EXPECT_EQ(path(DType::bf16, 4104, opt), "two-pass");
   const xent::Group cpu = xent::Group::local(xent::Backend::cpu);
   EXPECT_STREQ(xent::forward_path(cpu, xent::LogitsView{nullptr, DType::bf16, 8, 16032, 16032},
                                   xent::Options{}),
