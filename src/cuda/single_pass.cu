@@ -115,12 +115,20 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
   if (t == 0) rt.fetch(p, targets, row, x, n);
 
   // This block's part of the row on chip: of the aligned body, packs base + t + u * kThreads into
-  // registers and sbase + t + u * kThreads into shared memory (the copies issued first); the
-  // unaligned head goes to the first block, the tail to the last, an element a thread.
+  // registers and sbase + t + u * kThreads into shared memory; the unaligned head goes to the
+  // first block, the tail to the last, an element a thread. The register loads are issued first:
+  // the statistics start on them while the copies are in flight. Issued after the copies, they
+  // cost the capped path 7 % (H100, 8192 x 256000 bf16, softcap 30: 4.28 against 4.00 ms).
   const RowSplit s = split_row(x, n);
   const int base = rank * S::kBlockPacks;
   const int sbase = base + S::kThreads * S::kPacks;  // the packs held in shared memory
   const uint4* q = reinterpret_cast<const uint4*>(x + s.head);
+  Pack<T> v[S::kPacks];
+#pragma unroll
+  for (int u = 0; u < S::kPacks; ++u) {
+    const int i = base + t + u * S::kThreads;
+    v[u].v = i < s.nv ? __ldg(q + i) : Agent::fill();
+  }
   extern __shared__ uint4 held[];  // kThreads * kSmemPacks: thread t's packs t + u * kThreads
   if constexpr (S::kSmemPacks > 0) {
 #pragma unroll
@@ -128,12 +136,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       const int i = sbase + t + u * S::kThreads;
       if (i < s.nv) copy_async_16(&held[t + u * S::kThreads], q + i);
     }
-  }
-  Pack<T> v[S::kPacks];
-#pragma unroll
-  for (int u = 0; u < S::kPacks; ++u) {
-    const int i = base + t + u * S::kThreads;
-    v[u].v = i < s.nv ? __ldg(q + i) : Agent::fill();
   }
   const bool has_head = rank == 0 && t < s.head;
   const bool has_tail = rank == S::kBlocks - 1 && t < n - s.tail0;
