@@ -83,11 +83,19 @@ int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) 
   return -1;
 }
 
-// Whether forward takes the single-pass path (Options::single_pass).
-bool takes_single_pass(const Group& group, const core::Problem& p, DType dtype,
-                       const Options& opt) {
-  return opt.single_pass && group.backend() == Backend::cuda && group.size() == 1 &&
-         opt.grad_mode == GradMode::fused && cuda::single_pass_fits(p, dtype);
+// The paths of forward on CUDA: statistics, exchange, gradient; each row read once on one rank
+// (Options::single_pass); or once on any number of ranks, the records exchanged device-side
+// (Options::device_exchange, where the communicator has peer memory).
+enum class Path { two_pass, single_pass, device_exchange };
+
+Path path_of(const Group& group, const core::Problem& p, DType dtype, const Options& opt) {
+  if (!(opt.single_pass && group.backend() == Backend::cuda && opt.grad_mode == GradMode::fused &&
+        cuda::single_pass_fits(p, dtype)))
+    return Path::two_pass;
+  if (opt.device_exchange && group.size() <= PeerMemory::kMaxRanks &&
+      group.comm().has_peer_memory())
+    return Path::device_exchange;
+  return group.size() == 1 ? Path::single_pass : Path::two_pass;
 }
 
 }  // namespace
@@ -98,7 +106,11 @@ const char* forward_path(const Group& group, LogitsView logits, const Options& o
   shape.rows = 0;
   const core::Problem p = core::make_problem(shape, TargetsView{nullptr, IndexType::i64, 0}, opt);
   const DeviceScope on_device(group);  // the choice reads the device's compute capability
-  return takes_single_pass(group, p, logits.dtype, opt) ? "single-pass" : "two-pass";
+  switch (path_of(group, p, logits.dtype, opt)) {
+    case Path::single_pass: return "single-pass";
+    case Path::device_exchange: return "single-pass, device exchange";
+    default: return "two-pass";
+  }
 }
 
 namespace {
@@ -182,8 +194,22 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   check_placement(group, opt, targets.data, "targets.data");
   // Single pass: the reduction's scale first, and the outputs (the gradient's buffer among them)
   // before the one pass that writes them. Two passes: the statistics and their exchange first.
-  const bool single = takes_single_pass(group, p, logits.dtype, opt);
-  if (single) {
+  Path path = path_of(group, p, logits.dtype, opt);
+  const PeerMemory* peers = nullptr;
+  if (path == Path::device_exchange) {
+    // Collective; null on every rank alike where the communicator could not make it.
+    peers = group.comm().peer_memory(cuda::exchange_bytes(p.rows, ranks));
+    if (peers == nullptr) path = ranks == 1 ? Path::single_pass : Path::two_pass;
+  }
+  const bool single = path != Path::two_pass;
+  if (path == Path::device_exchange) {
+    if (peers->bytes < cuda::exchange_bytes(p.rows, ranks))
+      fail("Options::device_exchange: the communicator gave " + std::to_string(peers->bytes) +
+           " bytes of peer memory, " + std::to_string(cuda::exchange_bytes(p.rows, ranks)) +
+           " needed");
+    cuda::count_valid(p, targets, ws.scalars, stream,
+                      static_cast<uint32_t*>(peers->peers[group.rank()]));
+  } else if (single) {
     cuda::count_valid(p, targets, ws.scalars, stream);
   } else {
     cuda::stats(p, logits, targets, ws.send, ws.error, stream);
@@ -195,7 +221,11 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   check_placement(group, opt, out.grad.data, "outputs.grad.data");
   const LogitsView grad = out.grad.data != nullptr ? out.grad : logits;
   float* lse = out.lse ? out.lse : ws.lse;
-  if (single) cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
+  if (path == Path::single_pass)
+    cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
+  else if (path == Path::device_exchange)
+    cuda::single_pass_exchange(p, logits, grad, targets, *peers, group.rank(), ranks, ws.recv,
+                               ws.error, ws.scalars, stream);
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);
   if (!single && opt.grad_mode == GradMode::fused)
     cuda::gradient(p, logits, grad, targets, lse, ws.scalars, nullptr, stream);

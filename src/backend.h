@@ -77,7 +77,10 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
               cudaStream_t stream);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
-void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream);
+// exchange_epoch: the device exchange's call counter (the first word of this rank's peer
+// memory), advanced here before single_pass_exchange; null elsewhere.
+void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream,
+                 uint32_t* exchange_epoch = nullptr);
 // One rank, fused: whether single_pass takes rows of p's shape (no padding columns, rows that a
 // block's registers hold and that the two-pass path would give a block).
 bool single_pass_fits(const core::Problem& p, DType dtype);
@@ -85,6 +88,15 @@ bool single_pass_fits(const core::Problem& p, DType dtype);
 // each row; finalize(records, 1 rank) follows. out may be in (in place).
 void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
                  float* record, int64_t* error, const float* scalars, cudaStream_t stream);
+// Several ranks (Options::device_exchange): the single pass with each row's record exchanged
+// device-side through `peers` (at least exchange_bytes(rows, ranks) on every rank, zeroed before
+// the first call) while the row is on chip; every rank's records land in `gathered` (the
+// all-gather's layout), for finalize(gathered, ranks). count_valid(..., peers) comes first.
+size_t exchange_bytes(int64_t rows, int ranks);
+void single_pass_exchange(const core::Problem& p, LogitsView in, LogitsView out,
+                          TargetsView targets, const PeerMemory& peers, int rank, int ranks,
+                          float* gathered, int64_t* error, const float* scalars,
+                          cudaStream_t stream);
 // Device count, 0 when there is no usable driver/GPU (never throws).
 int device_count();
 }  // namespace cuda

@@ -93,6 +93,17 @@ struct Options {
   // (the loss divided by the same number) then reads and writes nothing. Finite and > 0; must be
   // 1 with the other grad modes, whose backward applies grad_output in its one pass anyway.
   float grad_scale = 1.0f;
+  // CUDA backend, several ranks, grad_mode fused: the single pass above on every rank, the rows'
+  // statistics exchanged device-side while the rows are on chip (each rank stores its record of
+  // a row into every rank's peer memory: Communicator::peer_memory, NCCL 2.28's symmetric
+  // windows over NVLink) rather than by an all-gather between two passes. Every rank must take
+  // it for the same calls (the same options, and shards that each fit the single pass), and the
+  // kernel's whole grid must be resident at once: no other kernel may hold the GPUs'
+  // multiprocessors for the duration of the call. A rank that waits longer than 60 s for another's
+  // record stops its kernel with a message. Off by default: validated so far on one GPU (ranks
+  // sharing it, tests/gpu), not yet timed across GPUs. A communicator without peer memory takes the
+  // two-pass path; on one rank it takes the single pass through its own peer memory (for tests).
+  bool device_exchange = false;
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.
@@ -107,6 +118,17 @@ struct Outputs {
   LogitsView grad{};
 };
 
+// Device memory that every rank of a group loads and stores directly (GPUs of one NVLink domain),
+// for Options::device_exchange.
+struct PeerMemory {
+  static constexpr int kMaxRanks = 8;
+  void* peers[kMaxRanks] = {};  // rank k's buffer, as this process addresses it
+  size_t bytes = 0;             // each buffer's size
+  // The share of the device's resident blocks one rank's kernel may take: 1 for a GPU of its
+  // own, 1 / ranks where the ranks share one GPU (tests), so that every rank's grid is resident.
+  float device_share = 1.0f;
+};
+
 // How stats records travel between ranks. Implementations: NCCL (device memory, stream-ordered),
 // MPI (host memory; xent/mpi.h), or an adapter's own (e.g. a c10d ProcessGroup).
 class Communicator {
@@ -118,6 +140,15 @@ class Communicator {
   virtual int device() const { return -1; }
   // recv[r * bytes, (r + 1) * bytes) = rank r's send; on `stream` for device buffers.
   virtual void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) = 0;
+  // Whether peer_memory can give memory at all (no collective call, no allocation).
+  virtual bool has_peer_memory() const { return false; }
+  // Collective (every rank, the same `bytes`): every rank's buffer of at least `bytes`, zeroed
+  // and visible to all ranks when it returns (it synchronises the device when it allocates), and
+  // kept until a call asks for more or the communicator goes. nullptr: none.
+  virtual const PeerMemory* peer_memory(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
 };
 
 struct Workspace;  // scratch owned by a Group: stats records and small reductions

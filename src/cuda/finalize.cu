@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 }
 
 __global__ void __launch_bounds__(kCountThreads)
-    count_valid_kernel(const core::Problem p, const TargetsView targets, float* scalars) {
+    count_valid_kernel(const core::Problem p, const TargetsView targets, float* scalars,
+                       uint32_t* exchange_epoch) {
   using Reduce = cub::BlockReduce<unsigned long long, kCountThreads>;
   __shared__ typename Reduce::TempStorage smem;
   pdl_trigger();
@@ -129,6 +130,10 @@ __global__ void __launch_bounds__(kCountThreads)
   }
   const unsigned long long all = Reduce(smem).Sum(mine);
   if (threadIdx.x == 0) {
+    if (exchange_epoch != nullptr) {  // never 0; 2 after 2^32 - 1, so the parity alternates
+      const uint32_t e = *exchange_epoch + 1u;
+      *exchange_epoch = e == 0u ? 2u : e;
+    }
     const float valid = static_cast<float>(all);
     scalars[Workspace::kScale] =
         core::gradient_scale(p.reduction == Reduction::mean, valid, p.grad_scale);
@@ -151,10 +156,11 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
          FinalizeOut{out, lse, scalars, partials});
 }
 
-void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream) {
+void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream,
+                 uint32_t* exchange_epoch) {
   // Launched for rows = 0 too: the scalars are still written.
   launch("xent count_valid kernel", count_valid_kernel, 1, kCountThreads, p.programmatic_launch,
-         stream, p, targets, scalars);
+         stream, p, targets, scalars, exchange_epoch);
 }
 
 }  // namespace xent::cuda

@@ -55,6 +55,34 @@ void launch_clusters(const char* name, void (*kernel)(Params...), unsigned grid,
   if (e != cudaSuccess) launch_failed(name, e);
 }
 
+// How many clusters of `cluster` blocks (1: plain blocks) of `block` threads and `smem` bytes of
+// dynamic shared memory the current device holds at once; at least 1, or it throws.
+template <typename... Params>
+int resident_clusters(void (*kernel)(Params...), unsigned block, unsigned cluster, size_t smem) {
+  int n = 0;
+  if (cluster > 1) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(cluster);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {cluster, 1, 1};
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+    if (e != cudaSuccess) launch_failed("cudaOccupancyMaxActiveClusters", e);
+  } else {
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, smem);
+    if (e != cudaSuccess) launch_failed("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+    n *= device_info().sms;
+  }
+  if (n < 1)
+    launch_failed("a resident grid (the kernel fits no multiprocessor)",
+                  cudaErrorInvalidConfiguration);
+  return n;
+}
+
 template <typename... Params, typename... Args>
 void launch(const char* name, void (*kernel)(Params...), unsigned grid, unsigned block, bool pdl,
             cudaStream_t stream, Args&&... args) {

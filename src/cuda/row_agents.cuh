@@ -304,6 +304,19 @@ struct RowTarget {
       report_bad_target(error, targets.data, targets.type, row);
   }
 
+  // By lane 0: the row's record in the one-row layout (core::write_record, rows 1), and the
+  // report of a target out of range.
+  __device__ __forceinline__ void one_row_record(const core::Problem& p, core::LocalStats st,
+                                                 const core::CapScales& k,
+                                                 const TargetsView& targets, float* rec,
+                                                 int64_t row, int64_t* error) const {
+    if (local >= 0) st.target_z = core::softcap(E::load(xt), k);
+    core::write_record(st, p.layout, rec, 1, 0);
+    if (target != p.ignore_index && !core::target_in_range(target, p.vocab_size) &&
+        error != nullptr)
+      report_bad_target(error, targets.data, targets.type, row);
+  }
+
   // The global lse that finalize computes from this row's record when it is the only rank's:
   // the record built here (one row) and merged as finalize merges it.
   __device__ __forceinline__ float one_rank_lse(const core::Problem& p,

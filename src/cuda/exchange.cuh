@@ -1,0 +1,93 @@
+// The device-side exchange of the single-pass kernel on several ranks (Options::device_exchange):
+// each rank stores its record of a row straight into every rank's peer memory (PeerMemory) and
+// waits in its own for the other ranks' records of that row, while the row is still on chip.
+//
+// Each rank's peer memory starts with its epoch, the number of its calls (count_valid adds one
+// before each, on the device, so that a CUDA graph's replays count too; never 0, and after
+// 2^32 - 1 comes 2, so that the parity alternates), then the slots. A slot is 8 floats: the
+// record's fields (core::RecordLayout, 5 at most), then at [7] the call's epoch, stored last with
+// release semantics at system scope; the reader acquires it and then reads the fields. Slots
+// [parity][row][from rank], parity the epoch's: a rank can reach call e + 2's store into a slot
+// only after every rank has passed call e + 1's kernel for that row, which starts after their
+// call e (its kernel and finalize, stream-ordered) read the slot.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/record.h"
+#include "xent/xent.h"
+
+namespace xent::cuda::detail {
+
+struct PeerExchange {
+  static constexpr int kHeaderFloats = 64;  // the epoch, then 252 bytes unused
+  static constexpr int kSlotFloats = 8;
+  static constexpr int kEpochSlot = 7;
+  float* peers[PeerMemory::kMaxRanks];  // every rank's peer memory, as this process addresses it
+  int rank = 0, ranks = 1;
+  int64_t rows = 0;         // slots per parity and rank: the call's rows
+  uint64_t timeout_ns = 0;  // a wait longer than this stops the kernel with a message
+};
+static_assert(core::RecordLayout::kMaxFields < PeerExchange::kEpochSlot, "fields fit a slot");
+
+__device__ __forceinline__ float* exchange_slot(const PeerExchange& x, uint32_t epoch, int buffer,
+                                                int64_t row, int from) {
+  const int64_t parity = epoch & 1u;
+  return x.peers[buffer] + PeerExchange::kHeaderFloats +
+         ((parity * x.rows + row) * x.ranks + from) * PeerExchange::kSlotFloats;
+}
+
+__device__ __forceinline__ void store_release_sys(float* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const float* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float load_relaxed_sys(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.sys.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// By one thread: this rank's record of `row` (rec, in the one-row layout of core::write_record)
+// into every rank's slot for it; then every rank's, in rank order, into `gathered` (the layout
+// that finalize and core::merge_records read, rows `rows`). A wait past the timeout means the
+// ranks do not run the same calls: the kernel stops (a launch failure) rather than hang.
+__device__ __forceinline__ void exchange_record(const PeerExchange& x, const core::RecordLayout& L,
+                                                const float* rec, int64_t row, float* gathered) {
+  // This call's, from count_valid (a kernel before this one).
+  const uint32_t epoch = *reinterpret_cast<const uint32_t*>(x.peers[x.rank]);
+  for (int k = 0; k < x.ranks; ++k) {
+    float* s = exchange_slot(x, epoch, k, row, x.rank);
+    for (int f = 0; f < L.fields; ++f) s[f] = rec[f];
+    store_release_sys(s + PeerExchange::kEpochSlot, epoch);
+  }
+  const uint64_t start = global_ns();
+  for (int k = 0; k < x.ranks; ++k) {
+    const float* s = exchange_slot(x, epoch, x.rank, row, k);
+    while (load_acquire_sys(s + PeerExchange::kEpochSlot) != epoch) {
+      if (global_ns() - start > x.timeout_ns) {
+        printf(
+            "xent: device exchange: rank %d waited %.0f s for rank %d's record of row %lld "
+            "(call %u): the ranks must make the same calls in the same order\n",
+            x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row),
+            epoch);
+        __trap();
+      }
+      __nanosleep(64);
+    }
+    for (int f = 0; f < L.fields; ++f)
+      gathered[(static_cast<int64_t>(k) * L.fields + f) * x.rows + row] = load_relaxed_sys(s + f);
+  }
+}
+
+}  // namespace xent::cuda::detail
