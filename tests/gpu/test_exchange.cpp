@@ -181,6 +181,11 @@ void expect_exchange(int64_t rows, const std::vector<int64_t>& widths, DType d, 
   opt.reduction = v.reduction;
   opt.compute_accuracy = v.accuracy;
   opt.device_exchange = true;
+  // Ranks sharing one GPU: a kernel launched programmatically (a rank's finalize) is scheduled
+  // while the exchange kernel before it runs, and would take the multiprocessors that another
+  // rank's exchange kernel, not yet resident, needs (on GPUs of their own no other rank's kernel
+  // competes; 4 ranks here waited for each other until the timeout).
+  opt.programmatic_launch = false;
   const xtest::RefOptions ro = xtest::ref_options(opt, vocab);
   for (int c = 0; c < calls; ++c) {
     SCOPED_TRACE("call " + std::to_string(c));
