@@ -84,6 +84,18 @@ const Variant kVariants[] = {
     {"general-smoothing-zloss-accuracy", 0.0f, 0.1f, 1e-3f, xent::Reduction::sum, true, 2.0},
 };
 
+// The options of a variant, with the device exchange on.
+xent::Options exchange_options(const Variant& v) {
+  xent::Options opt;
+  opt.softcap = v.softcap;
+  opt.label_smoothing = v.label_smoothing;
+  opt.z_loss = v.z_loss;
+  opt.reduction = v.reduction;
+  opt.compute_accuracy = v.accuracy;
+  opt.device_exchange = true;
+  return opt;
+}
+
 // One rank's call: its shard of x on the device (set up on the calling thread, so that no
 // allocation, which may wait for the whole device, runs while another rank's kernel waits for
 // this one's), forward with the exchange on a stream of its own (go), outputs back (finish).
@@ -178,13 +190,7 @@ void expect_exchange(int64_t rows, const std::vector<int64_t>& widths, DType d, 
   std::vector<xent::Group> groups;
   for (int k = 0; k < ranks; ++k)
     groups.push_back(xent::Group::custom(std::make_shared<LoopbackComm>(loop, k)));
-  xent::Options opt;
-  opt.softcap = v.softcap;
-  opt.label_smoothing = v.label_smoothing;
-  opt.z_loss = v.z_loss;
-  opt.reduction = v.reduction;
-  opt.compute_accuracy = v.accuracy;
-  opt.device_exchange = true;
+  xent::Options opt = exchange_options(v);
   // Ranks sharing one GPU: a kernel launched programmatically (a rank's finalize) is scheduled
   // while the exchange kernel before it runs, and would take the multiprocessors that another
   // rank's exchange kernel, not yet resident, needs (on GPUs of their own no other rank's kernel
@@ -258,13 +264,7 @@ TEST(DeviceExchange, OneRankSelfExchange) {
     SCOPED_TRACE(v.name);
     const int64_t rows = 400, cols = 32064;
     xent::Group g = xent::Group::local(xent::Backend::cuda, 0);
-    xent::Options opt;
-    opt.softcap = v.softcap;
-    opt.label_smoothing = v.label_smoothing;
-    opt.z_loss = v.z_loss;
-    opt.reduction = v.reduction;
-    opt.compute_accuracy = v.accuracy;
-    opt.device_exchange = true;
+    xent::Options opt = exchange_options(v);
     const xtest::RefOptions ro = xtest::ref_options(opt, cols);
     for (int c = 0; c < 3; ++c) {
       xtest::Matrix x = xtest::random_logits(rows, cols, 31 + c, DType::bf16, v.sigma);
