@@ -3,7 +3,8 @@ packages through a .pth file, so PyTorch is not installed again): plain (pip's i
 against torch==2.11.0) and with --no-build-isolation (against this Python's PyTorch), each then
 `import xent` from another directory with no XENT_TORCH_LIB or PYTHONPATH: the package must bring
 its own library (and xent._C beside it), name its torch requirement, and compute the loss. Then
-`pip install -e .` must import from the source tree.
+`pip install -e .` must import from the source tree. The two installs against this Python's
+PyTorch share one build folder (a reinstall's rebuild); the isolated one builds afresh.
 
 Run (from the repository root; needs scikit-build-core, torch and the CUDA toolkit):
     python3 -m pytest -q tests/package/test_pip_install.py
@@ -81,6 +82,14 @@ def venv(tmp_path_factory):
     return python
 
 
+@pytest.fixture(scope="module")
+def shared_build(tmp_path_factory):
+    """One CMake build folder for the installs against this Python's PyTorch (the
+    --no-build-isolation one and the editable one): the second reuses the first's objects, as a
+    developer's reinstall would, so the suite compiles the CUDA kernels twice, not three times."""
+    return tmp_path_factory.mktemp("build")
+
+
 def check_import(python, cwd):
     import json
     out = run([str(python), "-c", CHECK], cwd=cwd)
@@ -101,14 +110,15 @@ def pip_install(venv, *args):
 
 
 @pytest.mark.parametrize("isolation", ["isolated", "no-build-isolation"])
-def test_pip_install_then_import_anywhere(venv, tmp_path, isolation):
+def test_pip_install_then_import_anywhere(venv, shared_build, tmp_path, isolation):
     if isolation == "isolated":  # plain `pip install <repo>`: builds against torch==2.11.0
         if torch.__version__.split("+")[0] != "2.11.0":
             pytest.skip(f"the isolated build makes a wheel for torch 2.11.0, this is "
                         f"{torch.__version__}")
         pip_install(venv, str(REPO))
     else:
-        pip_install(venv, "--no-build-isolation", "--no-index", str(REPO))
+        pip_install(venv, "--no-build-isolation", "--no-index", f"-Cbuild-dir={shared_build}",
+                    str(REPO))
     got = check_import(venv, tmp_path)
     site = pathlib.Path(got["file"]).parent
     assert site.parent.name == "site-packages" and str(venv.parent.parent) in got["file"], got
@@ -124,8 +134,9 @@ def test_pip_install_then_import_anywhere(venv, tmp_path, isolation):
     assert got["requires"] == [f"torch=={version}"], got
 
 
-def test_editable_install_imports_the_source_tree(venv, tmp_path):
-    pip_install(venv, "--no-build-isolation", "--no-index", "-e", str(REPO))
+def test_editable_install_imports_the_source_tree(venv, shared_build, tmp_path):
+    pip_install(venv, "--no-build-isolation", "--no-index", f"-Cbuild-dir={shared_build}", "-e",
+                str(REPO))
     got = check_import(venv, tmp_path)
     assert pathlib.Path(got["file"]) == REPO / "python" / "xent" / "__init__.py", got
     assert abs(got["loss"] - got["want"]) <= 1e-5 * abs(got["want"]), got
