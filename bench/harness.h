@@ -25,7 +25,7 @@ struct Env {
 struct Result {
   int64_t tokens = 0, width = 0;
   std::string mode;
-  std::string path;  // xent::forward_path: "single-pass" or "two-pass"
+  std::string path;  // xent::forward_path: "single-pass" or "two-pass" (", device exchange")
   double bytes = 0;  // bytes_moved (op.h): what GB/s and %roof are of
   double fwd_ms = 0, bwd_ms = 0, total_ms = 0, gather_ms = 0, extra_bytes = 0;
   int64_t wrong = 0;

@@ -216,6 +216,7 @@ Operation::Operation(const Settings& s, xent::Group& group, Device& dev)
   opt_.softcap = static_cast<float>(s.softcap);
   opt_.reduction = to_xent_reduction(s.reduction);
   opt_.single_pass = !s.two_pass;
+  opt_.device_exchange = s.device_exchange;
 }
 
 Operation::~Operation() = default;

@@ -251,6 +251,15 @@ const std::vector<Option> kOptions = {
        if (v) r.s.two_pass = to_bool(*v);
      },
      [](const Settings& s, json& c) { c["two_pass"] = s.two_pass; }},
+    {"device_exchange", "--device-exchange", nullptr,
+     "exchange the records device-side through NCCL symmetric memory rather than an all-gather "
+     "(Options::device_exchange, opt-in; the path column says which path ran)",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.device_exchange = to_bool(*v);
+       if (r.s.device_exchange && !r.gpu()) refuse(*v, "the device exchange needs --device cuda");
+     },
+     [](const Settings& s, json& c) { c["device_exchange"] = s.device_exchange; }},
     {"json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)", false,
      [](Resolve& r, const Source* v) {
        if (!v) return;

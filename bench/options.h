@@ -35,8 +35,9 @@ struct Settings {
   int warmup = 5;
   bool check = false;
   bool graph = false;
-  bool two_pass = false;  // Options::single_pass = false
-  bool idle = false;      // each step from an idle GPU after a barrier, median (else back to back)
+  bool two_pass = false;         // Options::single_pass = false
+  bool device_exchange = false;  // Options::device_exchange
+  bool idle = false;  // each step from an idle GPU after a barrier, median (else back to back)
   uint64_t seed = 1;
   std::string json;
   std::string command;  // argv, joined

@@ -110,7 +110,9 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
       "# %%roof: the 3-pass roofline (the logits read twice and the gradient written once at that\n"
       "# bandwidth) over the time; %%floor: the 2-pass floor (read once, written once) over the "
       "time\n");
-  std::printf("# path: single-pass (each row read once) or two-pass (xent::forward_path)\n");
+  std::printf(
+      "# path: single-pass (each row read once) or two-pass, and \", device exchange\" where the "
+      "records went through peer memory (xent::forward_path)\n");
   std::printf("#\n");
   std::printf("# %8s %11s %9s %9s %9s %9s %11s %9s %6s %6s %9s %7s %11s\n", "", "", "", "forward",
               "backward", "total", "all-gather", "", "", "", "extra", "", "");

@@ -84,18 +84,20 @@ int64_t first_bad_target(const core::Problem& p, TargetsView t, int64_t* value) 
 }
 
 // The paths of forward on CUDA: statistics, exchange, gradient; each row read once on one rank
-// (Options::single_pass); or once on any number of ranks, the records exchanged device-side
-// (Options::device_exchange, where the communicator has peer memory).
-enum class Path { two_pass, single_pass, device_exchange };
+// (Options::single_pass); with Options::device_exchange (where the communicator has peer
+// memory) the records exchanged device-side, in the single pass or after the statistics.
+enum class Path { two_pass, single_pass, single_pass_exchange, two_pass_exchange };
 
 Path path_of(const Group& group, const core::Problem& p, DType dtype, const Options& opt) {
-  if (!(opt.single_pass && group.backend() == Backend::cuda && opt.grad_mode == GradMode::fused &&
-        cuda::single_pass_fits(p, dtype)))
-    return Path::two_pass;
+  if (group.backend() != Backend::cuda) return Path::two_pass;
+  const bool single =
+      opt.single_pass && opt.grad_mode == GradMode::fused && cuda::single_pass_fits(p, dtype);
+  // Whether a rank exchanges device-side depends on nothing of its own shard: ranks whose rows
+  // do not fit the single pass publish theirs after the statistics, and still meet the others.
   if (opt.device_exchange && group.size() <= PeerMemory::kMaxRanks &&
       group.comm().has_peer_memory())
-    return Path::device_exchange;
-  return group.size() == 1 ? Path::single_pass : Path::two_pass;
+    return single ? Path::single_pass_exchange : Path::two_pass_exchange;
+  return single && group.size() == 1 ? Path::single_pass : Path::two_pass;
 }
 
 }  // namespace
@@ -108,7 +110,8 @@ const char* forward_path(const Group& group, LogitsView logits, const Options& o
   const DeviceScope on_device(group);  // the choice reads the device's compute capability
   switch (path_of(group, p, logits.dtype, opt)) {
     case Path::single_pass: return "single-pass";
-    case Path::device_exchange: return "single-pass, device exchange";
+    case Path::single_pass_exchange: return "single-pass, device exchange";
+    case Path::two_pass_exchange: return "two-pass, device exchange";
     default: return "two-pass";
   }
 }
@@ -196,24 +199,29 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   // before the one pass that writes them. Two passes: the statistics and their exchange first.
   Path path = path_of(group, p, logits.dtype, opt);
   const PeerMemory* peers = nullptr;
-  if (path == Path::device_exchange) {
+  if (path == Path::single_pass_exchange || path == Path::two_pass_exchange) {
     // Collective; null on every rank alike where the communicator could not make it.
     peers = group.comm().peer_memory(cuda::exchange_bytes(p.rows, ranks));
-    if (peers == nullptr) path = ranks == 1 ? Path::single_pass : Path::two_pass;
-  }
-  const bool single = path != Path::two_pass;
-  if (path == Path::device_exchange) {
-    if (peers->bytes < cuda::exchange_bytes(p.rows, ranks))
+    if (peers == nullptr)
+      path = path == Path::single_pass_exchange && ranks == 1 ? Path::single_pass : Path::two_pass;
+    else if (peers->bytes < cuda::exchange_bytes(p.rows, ranks))
       fail("Options::device_exchange: the communicator gave " + std::to_string(peers->bytes) +
            " bytes of peer memory, " + std::to_string(cuda::exchange_bytes(p.rows, ranks)) +
            " needed");
+  }
+  const bool single = path == Path::single_pass || path == Path::single_pass_exchange;
+  if (peers != nullptr) {
     cuda::count_valid(p, targets, ws.scalars, stream,
                       static_cast<uint32_t*>(peers->peers[group.rank()]));
   } else if (single) {
     cuda::count_valid(p, targets, ws.scalars, stream);
-  } else {
+  }
+  if (!single) {
     cuda::stats(p, logits, targets, ws.send, ws.error, stream);
-    if (ranks > 1) group.comm().all_gather(ws.send, ws.recv, bytes, stream);
+    if (peers != nullptr)
+      cuda::exchange_records(p, ws.send, *peers, group.rank(), ranks, ws.recv, stream);
+    else if (ranks > 1)
+      group.comm().all_gather(ws.send, ws.recv, bytes, stream);
   }
   const Outputs out = take_outputs();
   check_placement(group, opt, out.loss, "outputs.loss");
@@ -223,7 +231,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   float* lse = out.lse ? out.lse : ws.lse;
   if (path == Path::single_pass)
     cuda::single_pass(p, logits, grad, targets, ws.send, ws.error, ws.scalars, stream);
-  else if (path == Path::device_exchange)
+  else if (path == Path::single_pass_exchange)
     cuda::single_pass_exchange(p, logits, grad, targets, *peers, group.rank(), ranks, ws.recv,
                                ws.error, ws.scalars, stream);
   cuda::finalize(p, targets, ws.recv, ranks, out, lse, ws.scalars, ws.partials, stream);

@@ -97,6 +97,12 @@ void single_pass_exchange(const core::Problem& p, LogitsView in, LogitsView out,
                           TargetsView targets, const PeerMemory& peers, int rank, int ranks,
                           float* gathered, int64_t* error, const float* scalars,
                           cudaStream_t stream);
+// Several ranks (Options::device_exchange), on the two-pass path: this rank's records (stats'
+// `record`) published through `peers` and every rank's gathered into `gathered`, as the
+// all-gather would; it meets single_pass_exchange on the other ranks. count_valid(..., peers)
+// comes first.
+void exchange_records(const core::Problem& p, const float* record, const PeerMemory& peers,
+                      int rank, int ranks, float* gathered, cudaStream_t stream);
 // Device count, 0 when there is no usable driver/GPU (never throws).
 int device_count();
 }  // namespace cuda

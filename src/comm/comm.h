@@ -20,6 +20,10 @@ std::shared_ptr<Communicator> make_nccl(ncclComm_t comm, int device, bool owned)
 #define XENT_NCCL_WINDOWS 1
 void lsa_pointers(ncclWindow_t win, int ranks, void** out);
 int lsa_size(ncclComm_t comm);  // ranks of this rank's NVLink domain (NCCL's LSA team)
+// Collective: whether the communicator supports symmetric memory (a device communicator can be
+// made). Where it does not, NCCL 2.28.3 still registers a window, whose device-side addresses
+// then fault.
+bool has_symmetric_memory(ncclComm_t comm);
 // The 32-bit word at each of `at` (one per rank, device addresses), read on the device.
 struct PeerWords {
   const void* at[PeerMemory::kMaxRanks];

@@ -46,32 +46,45 @@ class Nccl final : public Communicator {
     return windows_;
   }
 
-  // Collective. Growth: a new window, zeroed; every rank checks that it reads every other's
-  // part, and all agree (a minimum over the ranks) before any uses it: null on every rank alike
-  // where one cannot.
+  // Collective. Growth: a new window, zeroed; every rank checks that it could make it and that
+  // it reads every other's part, and all agree (a minimum over the ranks) before any uses it:
+  // null on every rank alike where one cannot (from then on has_peer_memory is false).
   const PeerMemory* peer_memory(size_t bytes) override {
     if (!windows_) return nullptr;
     if (bytes <= peers_.bytes) return &peers_;
 #if defined(XENT_NCCL_WINDOWS)
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (peer memory)");
     release();
-    check_nccl(ncclMemAlloc(&buf_, bytes), "ncclMemAlloc (peer memory)");
-    check_nccl(ncclCommWindowRegister(comm_, buf_, bytes, &win_, NCCL_WIN_COLL_SYMMETRIC),
-               "ncclCommWindowRegister (peer memory)");
-    check_cuda(cudaMemset(buf_, 0, bytes), "cudaMemset (peer memory)");
+    // NCCL may refuse a window (a communicator without symmetric memory support): the ranks then
+    // agree to go without, rather than one of them throw. Each collective step is taken by all
+    // ranks or none.
+    int ok = min_over_ranks(has_symmetric_memory(comm_) ? 1 : 0);
+    if (ok && ncclMemAlloc(&buf_, bytes) != ncclSuccess) {
+      buf_ = nullptr;
+      ok = 0;
+    }
+    ok = ok ? min_over_ranks(buf_ != nullptr ? 1 : 0) : 0;
+    ncclWindow_t win = nullptr;
+    ok = ok &&
+         ncclCommWindowRegister(comm_, buf_, bytes, &win, NCCL_WIN_COLL_SYMMETRIC) == ncclSuccess;
+    win_ = ok ? win : nullptr;
     PeerMemory m;
-    lsa_pointers(win_, size_, m.peers);
-    // Word 1 of each part (the exchange leaves it alone) holds its rank's signature.
-    const uint32_t mine = kSignature + static_cast<uint32_t>(rank_);
-    check_cuda(
-        cudaMemcpy(static_cast<uint32_t*>(buf_) + 1, &mine, sizeof mine, cudaMemcpyHostToDevice),
-        "cudaMemcpy (peer memory)");
-    int ok = min_over_ranks(1);  // every signature written
-    PeerWords w{};
-    for (int k = 0; k < size_; ++k) w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + 1;
-    uint32_t seen[PeerMemory::kMaxRanks] = {};
-    read_words(w, size_, seen);
-    for (int k = 0; k < size_; ++k) ok &= seen[k] == kSignature + static_cast<uint32_t>(k);
+    if (ok) {
+      check_cuda(cudaMemset(buf_, 0, bytes), "cudaMemset (peer memory)");
+      lsa_pointers(win_, size_, m.peers);
+      // Word 1 of each part (the exchange leaves it alone) holds its rank's signature.
+      const uint32_t mine = kSignature + static_cast<uint32_t>(rank_);
+      check_cuda(
+          cudaMemcpy(static_cast<uint32_t*>(buf_) + 1, &mine, sizeof mine, cudaMemcpyHostToDevice),
+          "cudaMemcpy (peer memory)");
+    }
+    if (min_over_ranks(ok) == 1) {  // every window made, every signature written
+      PeerWords w{};
+      for (int k = 0; k < size_; ++k) w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + 1;
+      uint32_t seen[PeerMemory::kMaxRanks] = {};
+      read_words(w, size_, seen);
+      for (int k = 0; k < size_; ++k) ok &= seen[k] == kSignature + static_cast<uint32_t>(k);
+    }
     if (min_over_ranks(ok) == 0) {
       windows_ = false;
       release();
@@ -81,6 +94,7 @@ class Nccl final : public Communicator {
     peers_ = m;
     return &peers_;
 #else
+    (void)bytes;
     return nullptr;
 #endif
   }

@@ -1,6 +1,7 @@
-// The device-side exchange of the single-pass kernel on several ranks (Options::device_exchange):
-// each rank stores its record of a row straight into every rank's peer memory (PeerMemory) and
-// waits in its own for the other ranks' records of that row, while the row is still on chip.
+// The device-side exchange of the records on several ranks (Options::device_exchange): each rank
+// stores its record of a row straight into every rank's peer memory (PeerMemory) and waits in its
+// own for the other ranks' records of that row: in the single-pass kernel while the row is still
+// on chip, or after the statistics kernel (exchange_records, the two-pass path).
 //
 // Each rank's peer memory starts with its epoch, the number of its calls (count_valid adds one
 // before each, on the device, so that a CUDA graph's replays count too; never 0, and after
@@ -58,29 +59,44 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
+// The exchange of `rows` rows on rank `rank` of `ranks` through `peers` (checked:
+// cuda/exchange.cu).
+PeerExchange make_peer_exchange(const PeerMemory& peers, int rank, int ranks, int64_t rows);
+
+// This call's epoch, from count_valid (a kernel before this one).
+__device__ __forceinline__ uint32_t exchange_epoch(const PeerExchange& x) {
+  return *reinterpret_cast<const uint32_t*>(x.peers[x.rank]);
+}
+
 // By one thread: this rank's record of `row` (rec, in the one-row layout of core::write_record)
-// into every rank's slot for it; then every rank's, in rank order, into `gathered` (the layout
-// that finalize and core::merge_records read, rows `rows`). A wait past the timeout means the
-// ranks do not run the same calls: the kernel stops (a launch failure) rather than hang.
-__device__ __forceinline__ void exchange_record(const PeerExchange& x, const core::RecordLayout& L,
-                                                const float* rec, int64_t row, float* gathered) {
-  // This call's, from count_valid (a kernel before this one).
-  const uint32_t epoch = *reinterpret_cast<const uint32_t*>(x.peers[x.rank]);
+// into every rank's slot for it.
+__device__ __forceinline__ void publish_record(const PeerExchange& x, const core::RecordLayout& L,
+                                               const float* rec, int64_t row, uint32_t epoch) {
   for (int k = 0; k < x.ranks; ++k) {
     float* s = exchange_slot(x, epoch, k, row, x.rank);
     for (int f = 0; f < L.fields; ++f) s[f] = rec[f];
     store_release_sys(s + PeerExchange::kEpochSlot, epoch);
   }
+}
+
+// By one thread: every rank's record of `row`, in rank order, into `gathered` (the layout that
+// finalize and core::merge_records read, rows `rows`), each waited for in this rank's memory. A
+// wait past the timeout means the ranks do not run the same calls, or a rank's grid is not
+// resident: the kernel stops (a launch failure) rather than hang.
+__device__ __forceinline__ void gather_record(const PeerExchange& x, const core::RecordLayout& L,
+                                              int64_t row, float* gathered, uint32_t epoch) {
   const uint64_t start = global_ns();
   for (int k = 0; k < x.ranks; ++k) {
     const float* s = exchange_slot(x, epoch, x.rank, row, k);
-    while (load_acquire_sys(s + PeerExchange::kEpochSlot) != epoch) {
+    uint32_t seen;
+    while ((seen = load_acquire_sys(s + PeerExchange::kEpochSlot)) != epoch) {
       if (global_ns() - start > x.timeout_ns) {
         printf(
             "xent: device exchange: rank %d waited %.0f s for rank %d's record of row %lld "
-            "(call %u): the ranks must make the same calls in the same order\n",
-            x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row),
-            epoch);
+            "(call %u; the slot holds call %u's): the ranks must make the same calls in the same "
+            "order, each with its grid resident\n",
+            x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row), epoch,
+            seen);
         __trap();
       }
       __nanosleep(64);

@@ -37,6 +37,14 @@ int lsa_size(ncclComm_t comm) {
   return ncclTeamLsa(comm).nRanks;
 }
 
+bool has_symmetric_memory(ncclComm_t comm) {
+  ncclDevCommRequirements reqs{};  // nothing asked: only whether the communicator can
+  ncclDevComm dev{};
+  if (ncclDevCommCreate(comm, &reqs, &dev) != ncclSuccess) return false;
+  ncclDevCommDestroy(comm, &dev);
+  return true;
+}
+
 namespace {
 __global__ void read_words_kernel(PeerWords w, int ranks, uint32_t* out) {
   const int k = static_cast<int>(threadIdx.x);

@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       if (t == 0 && rank == 0) {
         float rec[core::RecordLayout::kMaxFields];
         rt.one_row_record(p, st, a.k, targets, rec, row, ptr.error);
-        exchange_record(xc, p.layout, rec, row, ptr.record);
+        const uint32_t epoch = exchange_epoch(xc);
+        publish_record(xc, p.layout, rec, row, epoch);
+        gather_record(xc, p.layout, row, ptr.record, epoch);
         const float lse = core::merge_records(ptr.record, xc.ranks, p.layout, p.rows, row).lse;
         if constexpr (S::kBlocks > 1)
           for (int b = 0; b < S::kBlocks; ++b) *to_block(row_lse, b) = lse;

@@ -1,0 +1,87 @@
+// The device exchange's host side (the protocol: cuda/exchange.cuh), and its two-pass form: the
+// records of the statistics kernel published to every rank's peer memory and gathered back, in
+// place of the all-gather, on a rank whose rows the single pass does not take (so that it meets
+// ranks that take the single pass with the exchange: uneven shards, padding).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "backend.h"
+#include "cuda/exchange.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/row_walk.cuh"
+#include "error.h"
+
+namespace xent::cuda {
+namespace detail {
+
+PeerExchange make_peer_exchange(const PeerMemory& peers, int rank, int ranks, int64_t rows) {
+  if (ranks < 1 || ranks > PeerMemory::kMaxRanks || rank < 0 || rank >= ranks)
+    fail("the device exchange takes 1 to " + std::to_string(PeerMemory::kMaxRanks) +
+         " ranks, got rank " + std::to_string(rank) + " of " + std::to_string(ranks));
+  if (peers.bytes < exchange_bytes(rows, ranks))
+    fail("the device exchange's peer memory holds " + std::to_string(peers.bytes) + " bytes, " +
+         std::to_string(exchange_bytes(rows, ranks)) + " needed");
+  if (!(peers.wait_timeout_s > 0.0 && peers.wait_timeout_s <= 1e9))
+    fail("PeerMemory::wait_timeout_s = " + std::to_string(peers.wait_timeout_s) +
+         ": must be > 0 seconds (and at most 1e9)");
+  PeerExchange xc;
+  for (int k = 0; k < ranks; ++k) xc.peers[k] = static_cast<float*>(peers.peers[k]);
+  xc.rank = rank;
+  xc.ranks = ranks;
+  xc.rows = rows;
+  xc.timeout_ns = static_cast<uint64_t>(std::ceil(peers.wait_timeout_s * 1e9));
+  return xc;
+}
+
+namespace {
+
+constexpr int kExchangeThreads = 256;
+
+// A thread a row, over a grid that is resident as a whole: every row's record published first,
+// then every rank's gathered. No thread waits before all of its own rows are published, and every
+// thread runs, so that whatever another rank waits for arrives.
+__global__ void __launch_bounds__(kExchangeThreads)
+    exchange_records_kernel(const PeerExchange xc, const core::RecordLayout layout,
+                            const float* record, float* gathered) {
+  pdl_trigger();
+  pdl_wait();
+  const uint32_t epoch = exchange_epoch(xc);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t row = first; row < xc.rows; row += step) {
+    float rec[core::RecordLayout::kMaxFields];
+    for (int f = 0; f < layout.fields; ++f) rec[f] = record[f * xc.rows + row];
+    publish_record(xc, layout, rec, row, epoch);
+  }
+  for (int64_t row = first; row < xc.rows; row += step)
+    gather_record(xc, layout, row, gathered, epoch);
+}
+
+}  // namespace
+}  // namespace detail
+
+size_t exchange_bytes(int64_t rows, int ranks) {
+  using detail::PeerExchange;
+  return sizeof(float) *
+         (PeerExchange::kHeaderFloats +
+          2 * static_cast<size_t>(rows) * static_cast<size_t>(ranks) * PeerExchange::kSlotFloats);
+}
+
+void exchange_records(const core::Problem& p, const float* record, const PeerMemory& peers,
+                      int rank, int ranks, float* gathered, cudaStream_t stream) {
+  using namespace detail;
+  if (p.rows == 0) return;
+  const PeerExchange xc = make_peer_exchange(peers, rank, ranks, p.rows);
+  const auto kernel = exchange_records_kernel;
+  const int64_t resident = static_cast<int64_t>(
+      static_cast<double>(resident_clusters(kernel, kExchangeThreads, 1, 0)) * peers.device_share);
+  const int64_t blocks = std::clamp<int64_t>((p.rows + kExchangeThreads - 1) / kExchangeThreads, 1,
+                                             std::max<int64_t>(1, resident));
+  launch("xent exchange records kernel", kernel, static_cast<unsigned>(blocks), kExchangeThreads,
+         p.programmatic_launch, stream, xc, p.layout, record, gathered);
+}
+
+}  // namespace xent::cuda
