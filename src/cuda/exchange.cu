@@ -76,8 +76,10 @@ void exchange_records(const core::Problem& p, const float* record, const PeerMem
   if (p.rows == 0) return;
   const PeerExchange xc = make_peer_exchange(peers, rank, ranks, p.rows);
   const auto kernel = exchange_records_kernel;
-  const int64_t resident = static_cast<int64_t>(
-      static_cast<double>(resident_clusters(kernel, kExchangeThreads, 1, 0)) * peers.device_share);
+  static PerDevice resident_blocks;
+  const int n = resident_blocks.get(
+      current_device(), [&] { return resident_clusters(kernel, kExchangeThreads, 1, 0); });
+  const auto resident = static_cast<int64_t>(static_cast<double>(n) * peers.device_share);
   const int64_t blocks = std::clamp<int64_t>((p.rows + kExchangeThreads - 1) / kExchangeThreads, 1,
                                              std::max<int64_t>(1, resident));
   launch("xent exchange records kernel", kernel, static_cast<unsigned>(blocks), kExchangeThreads,

@@ -1,6 +1,4 @@
 // The CUDA backend's launch helpers (launch.cuh) and device_count().
-#include <array>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -12,21 +10,23 @@
 namespace xent::cuda {
 namespace detail {
 
-DeviceInfo device_info() {
-  static std::array<std::atomic<int>, 1024> cache{};  // sms * 2 + pdl, 0 = not read yet
+int current_device() {
   int dev = 0;
   check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-  const bool cached = dev >= 0 && dev < static_cast<int>(cache.size());
-  int v = cached ? cache[dev].load(std::memory_order_relaxed) : 0;
-  if (v == 0) {  // devices past the cache are read on every call, never another's
+  return dev;
+}
+
+DeviceInfo device_info() {
+  static PerDevice cache;  // sms * 2 + pdl
+  const int dev = current_device();
+  const int v = cache.get(dev, [dev] {
     int sms = 0, major = 0;
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
                "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
     check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
                "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
-    v = sms * 2 + (major >= 9 ? 1 : 0);
-    if (cached) cache[dev].store(v, std::memory_order_relaxed);
-  }
+    return sms * 2 + (major >= 9 ? 1 : 0);
+  });
   return DeviceInfo{v / 2, (v & 1) != 0};
 }
 

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -13,6 +15,28 @@
 #include "xent/xent.h"
 
 namespace xent::cuda::detail {
+
+// A value per device, read once by `read` (a nonzero int); one cache per call site (a function-
+// local static). Devices past the cache are read on every call, never given another's value.
+class PerDevice {
+ public:
+  template <typename F>
+  int get(int dev, F&& read) {
+    const bool cached = dev >= 0 && dev < static_cast<int>(v_.size());
+    int v = cached ? v_[dev].load(std::memory_order_relaxed) : 0;
+    if (v == 0) {
+      v = read();
+      if (cached) v_[dev].store(v, std::memory_order_relaxed);
+    }
+    return v;
+  }
+
+ private:
+  std::array<std::atomic<int>, 1024> v_{};  // 0: not read yet
+};
+
+// The current device (cudaGetDevice, checked).
+int current_device();
 
 // What the launches need of the current device: its multiprocessors, and whether it is of
 // compute capability 9.0 or newer, which programmatic dependent launch and thread-block clusters

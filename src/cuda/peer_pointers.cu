@@ -17,20 +17,34 @@ namespace xent::comm {
 
 #if defined(XENT_NCCL_WINDOWS)
 namespace {
+
+// n values of type T that `kernel` (one block of 32 threads, given a device array of n) writes,
+// copied back into out; `what` names it in errors.
+template <typename T, typename Kernel, typename... Args>
+void read_back(T* out, int n, const char* what, Kernel kernel, Args... args) {
+  T* dev = nullptr;
+  const size_t bytes = sizeof(T) * static_cast<size_t>(n);
+  check_cuda(cudaMalloc(&dev, bytes), (std::string("cudaMalloc (") + what + ")").c_str());
+  kernel<<<1, 32>>>(args..., dev);
+  const cudaError_t e = cudaMemcpy(out, dev, bytes, cudaMemcpyDeviceToHost);
+  cudaFree(dev);
+  check_cuda(e, (std::string("the kernel reading the ") + what).c_str());
+}
+
 __global__ void lsa_pointers_kernel(ncclWindow_t win, int ranks, void** out) {
   const int k = static_cast<int>(threadIdx.x);
   if (k < ranks) out[k] = ncclGetLsaPointer(win, 0, k);
 }
+
+__global__ void read_words_kernel(PeerWords w, int ranks, uint32_t* out) {
+  const int k = static_cast<int>(threadIdx.x);
+  if (k < ranks) out[k] = *static_cast<const volatile uint32_t*>(w.at[k]);
+}
+
 }  // namespace
 
 void lsa_pointers(ncclWindow_t win, int ranks, void** out) {
-  void** dev = nullptr;
-  const size_t bytes = sizeof(void*) * static_cast<size_t>(ranks);
-  check_cuda(cudaMalloc(&dev, bytes), "cudaMalloc (window addresses)");
-  lsa_pointers_kernel<<<1, 32>>>(win, ranks, dev);
-  const cudaError_t e = cudaMemcpy(out, dev, bytes, cudaMemcpyDeviceToHost);
-  cudaFree(dev);
-  check_cuda(e, "the window addresses' kernel");
+  read_back(out, ranks, "window addresses", lsa_pointers_kernel, win, ranks);
 }
 
 int lsa_size(ncclComm_t comm) {
@@ -45,21 +59,8 @@ bool has_symmetric_memory(ncclComm_t comm) {
   return true;
 }
 
-namespace {
-__global__ void read_words_kernel(PeerWords w, int ranks, uint32_t* out) {
-  const int k = static_cast<int>(threadIdx.x);
-  if (k < ranks) out[k] = *static_cast<const volatile uint32_t*>(w.at[k]);
-}
-}  // namespace
-
 void read_words(const PeerWords& w, int ranks, uint32_t* out) {
-  uint32_t* dev = nullptr;
-  const size_t bytes = sizeof(uint32_t) * static_cast<size_t>(ranks);
-  check_cuda(cudaMalloc(&dev, bytes), "cudaMalloc (peer words)");
-  read_words_kernel<<<1, 32>>>(w, ranks, dev);
-  const cudaError_t e = cudaMemcpy(out, dev, bytes, cudaMemcpyDeviceToHost);
-  cudaFree(dev);
-  check_cuda(e, "the peer words' kernel");
+  read_back(out, ranks, "peer words", read_words_kernel, w, ranks);
 }
 #endif
 

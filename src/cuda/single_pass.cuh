@@ -16,8 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <climits>
 #include <string>
 #include <tuple>
@@ -342,30 +340,23 @@ void launch_single_pass(const core::Problem& p, LogitsView in, LogitsView out, T
       dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
         const auto go = [&](auto variant) {
           const auto kernel = single_pass_kernel<E, S, variant(), cap(), kExchange>;
-          // Per kernel (one per instantiation of this lambda) and device: devices past the
-          // arrays' size ask every time.
-          static std::array<std::atomic<bool>, 1024> asked{};
-          int dev = 0;
-          if constexpr (S::kSmemBytes > 48 * 1024 || kExchange)
-            check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
-          const bool cached = dev >= 0 && dev < static_cast<int>(asked.size());
+          // Per kernel (one per instantiation of this lambda) and device.
           if constexpr (S::kSmemBytes > 48 * 1024) {
             // Past 48 KB a kernel asks for its shared memory, on each device.
-            if (!(cached && asked[dev].load(std::memory_order_relaxed))) {
+            static PerDevice asked;
+            asked.get(current_device(), [&] {
               const cudaError_t e = cudaFuncSetAttribute(
                   kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes);
               if (e != cudaSuccess) launch_failed("xent single-pass kernel (shared memory)", e);
-              if (cached) asked[dev].store(true, std::memory_order_relaxed);
-            }
+              return 1;
+            });
           }
           int64_t clusters = p.rows;
           if constexpr (kExchange) {
-            static std::array<std::atomic<int>, 1024> resident{};
-            int n = cached ? resident[dev].load(std::memory_order_relaxed) : 0;
-            if (n == 0) {
-              n = resident_clusters(kernel, S::kThreads, S::kBlocks, S::kSmemBytes);
-              if (cached) resident[dev].store(n, std::memory_order_relaxed);
-            }
+            static PerDevice resident;
+            const int n = resident.get(current_device(), [&] {
+              return resident_clusters(kernel, S::kThreads, S::kBlocks, S::kSmemBytes);
+            });
             const auto share = static_cast<int64_t>(static_cast<double>(n) * device_share);
             clusters = std::max<int64_t>(1, std::min<int64_t>(p.rows, share));
           }
