@@ -7,6 +7,12 @@
 // XENT_TEST_BACKEND=cpu (default): xent::mpi::host_group(MPI_COMM_WORLD), host buffers.
 // XENT_TEST_BACKEND=cuda: xent::mpi::nccl_group(MPI_COMM_WORLD) (NCCL), device buffers; every test
 //   skips (GTEST_SKIP) where there are fewer visible GPUs than ranks on a node.
+// XENT_TEST_BACKEND=cuda-mpi: xent::mpi::cuda_group(MPI_COMM_WORLD) (MPI through host memory, CUDA
+//   IPC peer memory), device buffers; ranks may share a GPU; every test skips without one.
+// XENT_TEST_DEVICE_EXCHANGE=1 (CUDA backends): every call with Options::device_exchange, and each
+//   forward must have taken it (the group's communicator made peer memory). With cuda-mpi on one
+//   GPU the ranks' processes take turns on it, so that every rank's kernel runs: the device
+//   exchange of several ranks, tested on one GPU.
 //
 // Only rank 0 prints gtest's usual output; other ranks print their failures, prefixed with the
 // rank. The exit status is non-zero on every rank if any rank failed.
@@ -43,7 +49,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 struct Env {
   int rank = 0, size = 1;
   bool cuda = false;
-  std::string skip;  // non-empty: every test skips with this reason
+  bool exchange = false;  // XENT_TEST_DEVICE_EXCHANGE=1
+  std::string skip;       // non-empty: every test skips with this reason
   std::optional<xent::Group> group;
   cudaStream_t stream = nullptr;
 };
@@ -89,10 +96,15 @@ class Buf {
   Buf& operator=(const Buf&) = delete;
   void put(const void* host, size_t n) {
     if (n == 0) return;
-    if (env().cuda)
+    if (env().cuda) {
       cuda_ok(cudaMemcpy(p_, host, n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-    else
+      // From pageable memory cudaMemcpy may return before the copy lands, and the calls under
+      // test run on a non-blocking stream: a sentinel that lands late overwrites their output
+      // (the zero-row forward's accuracy, a memset, read back as the NaN sentinel).
+      cuda_ok(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize (H2D)");
+    } else {
       std::memcpy(p_, host, n);
+    }
   }
   void get(void* host, size_t n) const {
     if (n == 0) return;
@@ -164,6 +176,7 @@ void run_dist(const DistCase& c) {
   EXPECT_EQ(shard.width, c.widths[r]);
   EXPECT_EQ(shard.vocab_size, V);
   xent::Options opt = c.opt;
+  opt.device_exchange = env().exchange;
   xent::apply(shard, opt);
   EXPECT_NO_THROW(xent::check_layout(g, shard, N));
 
@@ -206,6 +219,10 @@ void run_dist(const DistCase& c) {
   xent::forward(g, lv, tv, opt, out, env().stream);
   sync();
   if (env().cuda) EXPECT_NO_THROW(g.check_errors(env().stream));
+  // After the first forward has made (or failed to make) the peer memory.
+  if (env().exchange && N > 0)
+    EXPECT_THAT(xent::forward_path(g, lv, opt), HasSubstr("device exchange"))
+        << "rank " << r << ": the communicator made no peer memory";
 
   xtest::GotOutputs got;
   got.loss.resize(nloss);
@@ -521,6 +538,37 @@ TEST_F(Dist, MediumUneven) {
   run_dist(c);
 }
 
+// Shards wide enough for the single pass (a block a row at 16032 bf16 columns, clusters of blocks
+// at 64128), with more rows than a GPU's resident clusters, so that each walks several; a rank
+// whose shard the single pass does not take (1000 columns) among ranks whose shards it does; three
+// calls in a row on new data (with the device exchange, the epochs alternate the slots).
+TEST_F(Dist, WideShardsCallsInARow) {
+  std::vector<int64_t> mixed = growing(size(), 16032);
+  mixed[0] = 1000;
+  const struct {
+    int64_t rows;
+    std::vector<int64_t> widths;
+  } shapes[] = {{600, growing(size(), 16032)}, {128, growing(size(), 64128)}, {600, mixed}};
+  for (const auto& shape : shapes)
+    for (int call = 0; call < 3; ++call) {
+      SCOPED_TRACE("rank 0 width " + std::to_string(shape.widths[0]) + ", call " +
+                   std::to_string(call));
+      // The CPU backend has no single pass: a few rows check the shapes there.
+      DistCase c =
+          make_case(env().cuda ? shape.rows : 4, shape.widths, 300 + call, DType::bf16, 0.1);
+      if (call == 1) {
+        c.opt.softcap = 30.0f;
+        c.opt.reduction = Reduction::none;
+      } else if (call == 2) {
+        c.opt.label_smoothing = 0.1f;
+        c.opt.z_loss = 1e-3f;
+        c.opt.compute_accuracy = true;
+        c.opt.reduction = Reduction::sum;
+      }
+      run_dist(c);
+    }
+}
+
 // ------------------------------------------------------------------------------ bad input
 
 // Runs f on every rank; every rank must throw xent::Error, none may hang; returns the message.
@@ -559,6 +607,7 @@ struct Small {
     targets = c.targets;
     shard = xent::plan_shard(*env().group, w[env().rank]);
     xent::apply(shard, opt);
+    opt.device_exchange = env().exchange;
     host = xtest::make_shard(c.x, shard.start, shard.width, DType::f32);
     dlog = std::make_unique<Buf>(host.bytes.size());
     dlog->put(host.bytes.data(), host.bytes.size());
@@ -601,7 +650,7 @@ TEST_F(Dist, RowsDisagreeEveryRankThrows) {
     Small s;
     const int64_t rows = rank() == size() - 1 ? 5 : 6;  // the last rank passes one row less
     std::string msg;
-    if (env().cuda) {  // NCCL forward does not check: check_layout is the collective that does
+    if (env().cuda) {  // the CUDA forward does not check: check_layout is the collective that does
       msg = every_rank_throws([&] { xent::check_layout(g(), s.shard, rows); });
     } else {
       msg = every_rank_throws([&] { s.forward(rows, s.targets, s.opt); });
@@ -650,7 +699,7 @@ bool host_checks() {
 }
 
 TEST_F(Dist, OptionsDisagreeEveryRankThrows) {
-  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no options (XENT_CHECK_RANKS=1)";
+  if (!host_checks()) GTEST_SKIP() << "the CUDA forward checks no options (XENT_CHECK_RANKS=1)";
   {
     Small s;
     xent::Options o = s.opt;
@@ -664,7 +713,7 @@ TEST_F(Dist, OptionsDisagreeEveryRankThrows) {
 // Ranks that pass different targets, or logits of different dtypes, used to get a loss each
 // computed from mixed records, silently.
 TEST_F(Dist, TargetsDisagreeEveryRankThrows) {
-  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no targets (XENT_CHECK_RANKS=1)";
+  if (!host_checks()) GTEST_SKIP() << "the CUDA forward checks no targets (XENT_CHECK_RANKS=1)";
   {
     Small s;
     std::vector<int64_t> t = s.targets;
@@ -676,7 +725,7 @@ TEST_F(Dist, TargetsDisagreeEveryRankThrows) {
 }
 
 TEST_F(Dist, DtypeDisagreeEveryRankThrows) {
-  if (!host_checks()) GTEST_SKIP() << "the NCCL forward checks no dtype (XENT_CHECK_RANKS=1)";
+  if (!host_checks()) GTEST_SKIP() << "the CUDA forward checks no dtype (XENT_CHECK_RANKS=1)";
   {
     Small s;
     const DType mine = rank() == size() - 1 ? DType::bf16 : DType::f32;
@@ -715,10 +764,18 @@ int main(int argc, char** argv) {
   Env& e = env();
   MPI_Comm_rank(MPI_COMM_WORLD, &e.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &e.size);
-  const char* be = std::getenv("XENT_TEST_BACKEND");
-  e.cuda = be != nullptr && std::string(be) == "cuda";
-  if (be != nullptr && !e.cuda && std::string(be) != "cpu") {
-    if (e.rank == 0) std::fprintf(stderr, "XENT_TEST_BACKEND=%s: expected cpu or cuda\n", be);
+  const std::string be =
+      std::getenv("XENT_TEST_BACKEND") ? std::getenv("XENT_TEST_BACKEND") : "cpu";
+  const bool nccl = be == "cuda", shared = be == "cuda-mpi";
+  const char* ex = std::getenv("XENT_TEST_DEVICE_EXCHANGE");
+  e.cuda = nccl || shared;
+  e.exchange = ex != nullptr && ex[0] == '1';
+  if ((!e.cuda && be != "cpu") || (e.exchange && !e.cuda)) {
+    if (e.rank == 0)
+      std::fprintf(stderr,
+                   "XENT_TEST_BACKEND=%s: expected cpu, cuda or cuda-mpi (and one of the last two "
+                   "for XENT_TEST_DEVICE_EXCHANGE=1)\n",
+                   be.c_str());
     MPI_Finalize();
     return 2;
   }
@@ -734,17 +791,19 @@ int main(int argc, char** argv) {
     int local_ranks = 1;
     MPI_Comm_size(node, &local_ranks);
     MPI_Comm_free(&node);
-    const int ok = devices >= local_ranks ? 1 : 0;
+    const int ok = devices >= (shared ? 1 : local_ranks) ? 1 : 0;
     int all_ok = 0;
     MPI_Allreduce(&ok, &all_ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     if (!all_ok)
-      e.skip = "XENT_TEST_BACKEND=cuda needs a GPU per rank on each node (" +
-               std::to_string(devices) + " visible, " + std::to_string(local_ranks) +
-               " ranks on this node)";
+      e.skip = shared ? "XENT_TEST_BACKEND=cuda-mpi needs a GPU (none visible)"
+                      : "XENT_TEST_BACKEND=cuda needs a GPU per rank on each node (" +
+                            std::to_string(devices) + " visible, " + std::to_string(local_ranks) +
+                            " ranks on this node)";
   }
   if (e.skip.empty()) {
     if (e.cuda) {
-      e.group = xent::mpi::nccl_group(MPI_COMM_WORLD);
+      e.group =
+          nccl ? xent::mpi::nccl_group(MPI_COMM_WORLD) : xent::mpi::cuda_group(MPI_COMM_WORLD);
       cuda_ok(cudaSetDevice(e.group->device()), "cudaSetDevice");
       cuda_ok(cudaStreamCreateWithFlags(&e.stream, cudaStreamNonBlocking), "cudaStreamCreate");
     } else {

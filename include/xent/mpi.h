@@ -16,4 +16,10 @@ Group host_group(MPI_Comm comm);
 // count. Makes that device current (one GPU per process). Collective. Needs MPI_Init first.
 Group nccl_group(MPI_Comm comm, int device = -1);
 
+// CUDA backend without NCCL: device buffers, the records staged through host memory for
+// MPI_Allgather (it synchronises the stream), and peer memory for Options::device_exchange
+// through CUDA IPC (ranks of one host). Several ranks may share a GPU: their processes take turns
+// on it. device -1 as for nccl_group; made current. Collective. Needs MPI_Init first.
+Group cuda_group(MPI_Comm comm, int device = -1);
+
 }  // namespace xent::mpi

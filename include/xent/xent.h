@@ -94,19 +94,19 @@ struct Options {
   // 1 with the other grad modes, whose backward applies grad_output in its one pass anyway.
   float grad_scale = 1.0f;
   // CUDA backend, several ranks: the rows' records exchanged device-side (each rank stores its
-  // record of a row into every rank's peer memory: Communicator::peer_memory, NCCL 2.28's
-  // symmetric windows over NVLink) rather than by an all-gather. With the single pass (fused,
-  // rows that fit on chip) each row is read once on every rank, its record exchanged while the row
-  // is on chip; a rank whose rows do not fit takes the two passes and publishes its records after
-  // the first, so that ranks of uneven shards still meet ("two-pass, device exchange"). Every rank
-  // must make the same calls with this option, and each kernel's whole grid must be resident at
-  // once: no kernel of another stream that waits for another GPU (a data-parallel all-reduce)
-  // may hold the GPUs' multiprocessors meanwhile. A rank that waits longer than
-  // PeerMemory::wait_timeout_s (60 s) for another's record stops its kernel with a message. Off
-  // by default: checked against the fp64 reference only on one GPU (ranks sharing it, whose tests
-  // are disabled as unreliable there: tests/gpu/test_exchange.cpp), not yet timed across GPUs; the
-  // two-pass form has not run on a GPU yet. A communicator without peer memory takes the
-  // all-gather; on one rank the exchange is with itself, through its own peer memory (tests).
+  // record of a row into every rank's peer memory: Communicator::peer_memory, an NCCL 2.28
+  // symmetric window over NVLink, else CUDA IPC between the ranks of one host) rather than by an
+  // all-gather. With the single pass (fused, rows that fit on chip) each row is read once on every
+  // rank, its record exchanged while the row is on chip; a rank whose rows do not fit takes the
+  // two passes and publishes its records after the first, so that ranks of uneven shards still
+  // meet ("two-pass, device exchange"). Every rank must make the same calls with this option, and
+  // each kernel's whole grid must be resident at once: no kernel of another stream that waits
+  // for another GPU (a data-parallel all-reduce) may hold the GPUs' multiprocessors meanwhile. A
+  // rank that waits longer than PeerMemory::wait_timeout_s (60 s) for another's record stops its
+  // kernel with a message. Off by default: checked against the fp64 reference with 2 to 4 ranks
+  // (processes sharing one GPU: the dist tests), not yet timed across GPUs. A communicator
+  // without peer memory takes the all-gather; on one rank the exchange is with itself, through
+  // its own peer memory (tests).
   bool device_exchange = false;
 };
 

@@ -3,6 +3,9 @@
 
 #include <nccl.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "xent/xent.h"
@@ -24,11 +27,46 @@ int lsa_size(ncclComm_t comm);  // ranks of this rank's NVLink domain (NCCL's LS
 // made). Where it does not, NCCL 2.28.3 still registers a window, whose device-side addresses
 // then fault.
 bool has_symmetric_memory(ncclComm_t comm);
+#endif
+
 // The 32-bit word at each of `at` (one per rank, device addresses), read on the device.
 struct PeerWords {
   const void* at[PeerMemory::kMaxRanks];
 };
 void read_words(const PeerWords& w, int ranks, uint32_t* out);
-#endif
+
+// Each rank's peer memory carries its rank's signature in its word 1 (the exchange leaves words
+// 1 to 63 of its header alone): written into this rank's buffer, then checked on the device
+// through every rank's address before any rank uses the memory.
+void write_signature(void* buffer, int rank);
+bool signatures_read_back(const PeerMemory& m, int ranks);
+
+// `send` of every rank, in rank order, into `recv` (host memory, `bytes` per rank): what the
+// collective steps of making peer memory need of a communicator.
+using HostAllGather = std::function<void(const void* send, void* recv, size_t bytes)>;
+// The minimum of v over the ranks, through `gather` (a barrier too).
+int min_over_ranks(const HostAllGather& gather, int size, int v);
+
+// Peer memory through CUDA IPC: every rank's cudaMalloc'd buffer, its handle all-gathered and
+// opened by the others (ranks of one host whose devices can map one another's memory; several
+// ranks may share a GPU). grow() is collective; it agrees across the ranks (a minimum) at each
+// step, so that it returns null on every rank alike where any rank cannot take part: another
+// host, a device that cannot be mapped, an allocation that failed.
+class IpcPeerMemory {
+ public:
+  IpcPeerMemory() = default;
+  IpcPeerMemory(const IpcPeerMemory&) = delete;
+  IpcPeerMemory& operator=(const IpcPeerMemory&) = delete;
+  ~IpcPeerMemory() { release(nullptr, 0); }
+  // Synchronises the device first: the old buffer may still be in use by queued kernels.
+  const PeerMemory* grow(size_t bytes, int rank, int size, const HostAllGather& gather);
+  // Collective where `gather` is given (a barrier between closing the others' buffers and
+  // freeing this rank's); the destructor's is not (the ranks are going).
+  void release(const HostAllGather* gather, int size);
+
+ private:
+  int rank_ = 0;
+  PeerMemory peers_;  // peers_.peers[rank_] is this rank's allocation, the others opened handles
+};
 
 }  // namespace xent::comm

@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(kExchangeThreads)
 
 size_t exchange_bytes(int64_t rows, int ranks) {
   using detail::PeerExchange;
-  return sizeof(float) *
-         (PeerExchange::kHeaderFloats +
-          2 * static_cast<size_t>(rows) * static_cast<size_t>(ranks) * PeerExchange::kSlotFloats);
+  return sizeof(float) * PeerExchange::kHeaderFloats +
+         sizeof(uint64_t) * 2 * static_cast<size_t>(rows) * static_cast<size_t>(ranks) *
+             PeerExchange::kSlotWords;
 }
 
 void exchange_records(const core::Problem& p, const float* record, const PeerMemory& peers,

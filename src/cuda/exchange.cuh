@@ -5,12 +5,15 @@
 //
 // Each rank's peer memory starts with its epoch, the number of its calls (count_valid adds one
 // before each, on the device, so that a CUDA graph's replays count too; never 0, and after
-// 2^32 - 1 comes 2, so that the parity alternates), then the slots. A slot is 8 floats: the
-// record's fields (core::RecordLayout, 5 at most), then at [7] the call's epoch, stored last with
-// release semantics at system scope; the reader acquires it and then reads the fields. Slots
-// [parity][row][from rank], parity the epoch's: a rank can reach call e + 2's store into a slot
-// only after every rank has passed call e + 1's kernel for that row, which starts after their
-// call e (its kernel and finalize, stream-ordered) read the slot.
+// 2^32 - 1 comes 2, so that the parity alternates), then the slots. A slot holds a record's
+// fields (core::RecordLayout, 5 at most), each in a 64-bit word of its own together with the
+// call's epoch: an aligned 64-bit store is single-copy atomic, so a reader that sees this call's
+// epoch in a word sees the field stored with it, and neither side needs a fence (NCCL's LL
+// protocol does the same). A release at system scope cost the single pass about a microsecond a
+// row (it waits for the thread's earlier gradient stores). Slots [parity][row][from rank], parity
+// the epoch's: a rank can reach call e + 2's store into a slot only after every rank has passed
+// call e + 1's kernel for that row, which starts after their call e (its kernel and finalize,
+// stream-ordered) read the slot.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,34 +27,29 @@ namespace xent::cuda::detail {
 
 struct PeerExchange {
   static constexpr int kHeaderFloats = 64;  // the epoch, then 252 bytes unused
-  static constexpr int kSlotFloats = 8;
-  static constexpr int kEpochSlot = 7;
+  static constexpr int kSlotWords = 8;      // 64-bit words: a field and the epoch each
   float* peers[PeerMemory::kMaxRanks];  // every rank's peer memory, as this process addresses it
   int rank = 0, ranks = 1;
   int64_t rows = 0;         // slots per parity and rank: the call's rows
   uint64_t timeout_ns = 0;  // a wait longer than this stops the kernel with a message
 };
-static_assert(core::RecordLayout::kMaxFields < PeerExchange::kEpochSlot, "fields fit a slot");
+static_assert(core::RecordLayout::kMaxFields <= PeerExchange::kSlotWords, "fields fit a slot");
 
-__device__ __forceinline__ float* exchange_slot(const PeerExchange& x, uint32_t epoch, int buffer,
-                                                int64_t row, int from) {
+__device__ __forceinline__ uint64_t* exchange_slot(const PeerExchange& x, uint32_t epoch,
+                                                   int buffer, int64_t row, int from) {
   const int64_t parity = epoch & 1u;
-  return x.peers[buffer] + PeerExchange::kHeaderFloats +
-         ((parity * x.rows + row) * x.ranks + from) * PeerExchange::kSlotFloats;
+  return reinterpret_cast<uint64_t*>(x.peers[buffer] + PeerExchange::kHeaderFloats) +
+         ((parity * x.rows + row) * x.ranks + from) * PeerExchange::kSlotWords;
 }
 
-__device__ __forceinline__ void store_release_sys(float* p, uint32_t v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void store_word_sys(uint64_t* p, float value, uint32_t epoch) {
+  const uint64_t w = (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(value);
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
 }
-__device__ __forceinline__ uint32_t load_acquire_sys(const float* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ float load_relaxed_sys(const float* p) {
-  float v;
-  asm volatile("ld.relaxed.sys.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ uint64_t load_word_sys(const uint64_t* p) {
+  uint64_t w;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  return w;
 }
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
@@ -63,7 +61,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // cuda/exchange.cu).
 PeerExchange make_peer_exchange(const PeerMemory& peers, int rank, int ranks, int64_t rows);
 
-// This call's epoch, from count_valid (a kernel before this one).
+// This call's epoch, from count_valid (a kernel before this one): read once per kernel.
 __device__ __forceinline__ uint32_t exchange_epoch(const PeerExchange& x) {
   return *reinterpret_cast<const uint32_t*>(x.peers[x.rank]);
 }
@@ -73,36 +71,46 @@ __device__ __forceinline__ uint32_t exchange_epoch(const PeerExchange& x) {
 __device__ __forceinline__ void publish_record(const PeerExchange& x, const core::RecordLayout& L,
                                                const float* rec, int64_t row, uint32_t epoch) {
   for (int k = 0; k < x.ranks; ++k) {
-    float* s = exchange_slot(x, epoch, k, row, x.rank);
-    for (int f = 0; f < L.fields; ++f) s[f] = rec[f];
-    store_release_sys(s + PeerExchange::kEpochSlot, epoch);
+    uint64_t* s = exchange_slot(x, epoch, k, row, x.rank);
+    for (int f = 0; f < L.fields; ++f) store_word_sys(s + f, rec[f], epoch);
   }
 }
 
 // By one thread: every rank's record of `row`, in rank order, into `gathered` (the layout that
-// finalize and core::merge_records read, rows `rows`), each waited for in this rank's memory. A
-// wait past the timeout means the ranks do not run the same calls, or a rank's grid is not
-// resident: the kernel stops (a launch failure) rather than hang.
+// finalize and core::merge_records read, rows `rows`), each field waited for in this rank's
+// memory. A rank's fields are loaded together first (one round trip to memory for a record that
+// has arrived), then any not yet stored waited for. A wait past the timeout means the ranks do not
+// run the same calls, or a rank's grid is not resident: the kernel stops (a launch failure)
+// rather than hang.
 __device__ __forceinline__ void gather_record(const PeerExchange& x, const core::RecordLayout& L,
                                               int64_t row, float* gathered, uint32_t epoch) {
+  constexpr int kMax = core::RecordLayout::kMaxFields;
   const uint64_t start = global_ns();
   for (int k = 0; k < x.ranks; ++k) {
-    const float* s = exchange_slot(x, epoch, x.rank, row, k);
-    uint32_t seen;
-    while ((seen = load_acquire_sys(s + PeerExchange::kEpochSlot)) != epoch) {
-      if (global_ns() - start > x.timeout_ns) {
-        printf(
-            "xent: device exchange: rank %d waited %.0f s for rank %d's record of row %lld "
-            "(call %u; the slot holds call %u's): the ranks must make the same calls in the same "
-            "order, each with its grid resident\n",
-            x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row), epoch,
-            seen);
-        __trap();
+    const uint64_t* s = exchange_slot(x, epoch, x.rank, row, k);
+    uint64_t w[kMax];
+#pragma unroll
+    for (int f = 0; f < kMax; ++f)
+      if (f < L.fields) w[f] = load_word_sys(s + f);
+#pragma unroll
+    for (int f = 0; f < kMax; ++f) {
+      if (f >= L.fields) continue;
+      while (static_cast<uint32_t>(w[f] >> 32) != epoch) {
+        if (global_ns() - start > x.timeout_ns) {
+          printf(
+              "xent: device exchange: rank %d waited %.0f s for rank %d's record of row %lld "
+              "(call %u; the slot holds call %u's): the ranks must make the same calls in the "
+              "same order, each with its grid resident\n",
+              x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row),
+              epoch, static_cast<uint32_t>(w[f] >> 32));
+          __trap();
+        }
+        __nanosleep(64);
+        w[f] = load_word_sys(s + f);
       }
-      __nanosleep(64);
+      gathered[(static_cast<int64_t>(k) * L.fields + f) * x.rows + row] =
+          __uint_as_float(static_cast<uint32_t>(w[f]));
     }
-    for (int f = 0; f < L.fields; ++f)
-      gathered[(static_cast<int64_t>(k) * L.fields + f) * x.rows + row] = load_relaxed_sys(s + f);
   }
 }
 

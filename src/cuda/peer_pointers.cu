@@ -1,6 +1,8 @@
-// The addresses of every rank's part of an NCCL symmetric window, as this process maps them
-// (NCCL 2.28's device API computes them on the device only): one small kernel when a window is
-// made, so that the kernels take plain pointers (PeerMemory) and need no NCCL header.
+// What the host needs to read of peer memory on the device: the addresses of every rank's part of
+// an NCCL symmetric window, as this process maps them (NCCL 2.28's device API computes them on the
+// device only), and the words that prove every rank's part can be read. One small kernel each,
+// when peer memory is made, so that the exchange's kernels take plain pointers (PeerMemory) and
+// need no NCCL header.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -14,9 +16,9 @@
 #endif
 
 namespace xent::comm {
-
-#if defined(XENT_NCCL_WINDOWS)
 namespace {
+
+constexpr uint32_t kSignature = 0x7e400000u;
 
 // n values of type T that `kernel` (one block of 32 threads, given a device array of n) writes,
 // copied back into out; `what` names it in errors.
@@ -31,18 +33,42 @@ void read_back(T* out, int n, const char* what, Kernel kernel, Args... args) {
   check_cuda(e, (std::string("the kernel reading the ") + what).c_str());
 }
 
-__global__ void lsa_pointers_kernel(ncclWindow_t win, int ranks, void** out) {
-  const int k = static_cast<int>(threadIdx.x);
-  if (k < ranks) out[k] = ncclGetLsaPointer(win, 0, k);
-}
-
 __global__ void read_words_kernel(PeerWords w, int ranks, uint32_t* out) {
   const int k = static_cast<int>(threadIdx.x);
   if (k < ranks) out[k] = *static_cast<const volatile uint32_t*>(w.at[k]);
 }
 
+#if defined(XENT_NCCL_WINDOWS)
+__global__ void lsa_pointers_kernel(ncclWindow_t win, int ranks, void** out) {
+  const int k = static_cast<int>(threadIdx.x);
+  if (k < ranks) out[k] = ncclGetLsaPointer(win, 0, k);
+}
+#endif
+
 }  // namespace
 
+void read_words(const PeerWords& w, int ranks, uint32_t* out) {
+  read_back(out, ranks, "peer words", read_words_kernel, w, ranks);
+}
+
+void write_signature(void* buffer, int rank) {
+  const uint32_t mine = kSignature + static_cast<uint32_t>(rank);
+  check_cuda(
+      cudaMemcpy(static_cast<uint32_t*>(buffer) + 1, &mine, sizeof mine, cudaMemcpyHostToDevice),
+      "cudaMemcpy (peer memory signature)");
+}
+
+bool signatures_read_back(const PeerMemory& m, int ranks) {
+  PeerWords w{};
+  for (int k = 0; k < ranks; ++k) w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + 1;
+  uint32_t seen[PeerMemory::kMaxRanks] = {};
+  read_words(w, ranks, seen);
+  bool ok = true;
+  for (int k = 0; k < ranks; ++k) ok &= seen[k] == kSignature + static_cast<uint32_t>(k);
+  return ok;
+}
+
+#if defined(XENT_NCCL_WINDOWS)
 void lsa_pointers(ncclWindow_t win, int ranks, void** out) {
   read_back(out, ranks, "window addresses", lsa_pointers_kernel, win, ranks);
 }
@@ -57,10 +83,6 @@ bool has_symmetric_memory(ncclComm_t comm) {
   if (ncclDevCommCreate(comm, &reqs, &dev) != ncclSuccess) return false;
   ncclDevCommDestroy(comm, &dev);
   return true;
-}
-
-void read_words(const PeerWords& w, int ranks, uint32_t* out) {
-  read_back(out, ranks, "peer words", read_words_kernel, w, ranks);
 }
 #endif
 

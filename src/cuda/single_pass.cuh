@@ -121,6 +121,9 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
 
   const int rank = S::kBlocks > 1 ? cluster_rank() : 0;
   const int t = static_cast<int>(threadIdx.x);
+  uint32_t epoch = 0;  // the exchange's, read by the thread that exchanges
+  if constexpr (kExchange)
+    if (t == 0 && rank == 0) epoch = exchange_epoch(xc);
   // One row a cluster; with the exchange, rows first, first + clusters, ... (the same on every
   // rank, so that the ranks reach a row at about the same time).
   const auto one_row = [&](const int64_t row) {
@@ -209,7 +212,6 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       if (t == 0 && rank == 0) {
         float rec[core::RecordLayout::kMaxFields];
         rt.one_row_record(p, st, a.k, targets, rec, row, ptr.error);
-        const uint32_t epoch = exchange_epoch(xc);
         publish_record(xc, p.layout, rec, row, epoch);
         gather_record(xc, p.layout, row, ptr.record, epoch);
         const float lse = core::merge_records(ptr.record, xc.ranks, p.layout, p.rows, row).lse;

@@ -1,9 +1,13 @@
 // xent/mpi.h: the CPU backend's exchange over MPI, and NCCL bootstrapped over MPI. Built into
 // libxent_mpi (xent::mpi) so that the core needs no MPI.
+#include <cuda_runtime.h>
+
 #include <climits>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "comm/comm.h"
 #include "error.h"
 #include "xent/mpi.h"
 
@@ -14,6 +18,15 @@ void require_init(const char* who) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) fail(std::string(who) + " needs MPI_Init to be called first");
+}
+
+void all_gather_bytes(MPI_Comm comm, const void* send, void* recv, size_t bytes) {
+  if (bytes > static_cast<size_t>(INT_MAX))
+    fail("all_gather of " + std::to_string(bytes) +
+         " bytes per rank: MPI counts must stay below 2^31 bytes");
+  const int n = static_cast<int>(bytes);
+  const int rc = MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm);
+  if (rc != MPI_SUCCESS) fail("MPI_Allgather failed with code " + std::to_string(rc));
 }
 
 // The CPU backend's exchange: host buffers, MPI_Allgather (blocking; the stream is unused).
@@ -27,18 +40,76 @@ class Mpi final : public Communicator {
   int size() const override { return size_; }
   Backend backend() const override { return Backend::cpu; }
   void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t) override {
-    if (bytes > static_cast<size_t>(INT_MAX))
-      fail("all_gather of " + std::to_string(bytes) +
-           " bytes per rank: MPI counts must stay below 2^31 bytes");
-    const int n = static_cast<int>(bytes);
-    const int rc = MPI_Allgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_);
-    if (rc != MPI_SUCCESS) fail("MPI_Allgather failed with code " + std::to_string(rc));
+    all_gather_bytes(comm_, send, recv, bytes);
   }
 
  private:
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
 };
+
+// The CUDA backend without NCCL: device buffers staged through host memory for MPI_Allgather
+// (the stream synchronised), and peer memory through CUDA IPC.
+class MpiCuda final : public Communicator {
+ public:
+  MpiCuda(MPI_Comm comm, int device) : comm_(comm), device_(device) {
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+    peer_memory_ = size_ <= PeerMemory::kMaxRanks;
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return Backend::cuda; }
+  int device() const override { return device_; }
+  void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) override {
+    send_.resize(bytes);
+    recv_.resize(bytes * static_cast<size_t>(size_));
+    check_cuda(cudaMemcpyAsync(send_.data(), send, bytes, cudaMemcpyDeviceToHost, stream),
+               "cudaMemcpyAsync (MPI all_gather)");
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (MPI all_gather)");
+    all_gather_bytes(comm_, send_.data(), recv_.data(), bytes);
+    check_cuda(cudaMemcpyAsync(recv, recv_.data(), recv_.size(), cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync (MPI all_gather)");
+    // The host staging buffer is reused by the next call: the copy out of it must be done.
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (MPI all_gather)");
+  }
+  bool has_peer_memory() const override { return peer_memory_; }
+  const PeerMemory* peer_memory(size_t bytes) override {
+    if (!peer_memory_) return nullptr;
+    const PeerMemory* m = ipc_.grow(bytes, rank_, size_, [this](const void* s, void* r, size_t n) {
+      all_gather_bytes(comm_, s, r, n);
+    });
+    peer_memory_ = m != nullptr;
+    return m;
+  }
+
+ private:
+  MPI_Comm comm_;
+  int device_;
+  int rank_ = 0, size_ = 1;
+  std::vector<char> send_, recv_;
+  bool peer_memory_ = false;  // false once CUDA IPC could not be made
+  comm::IpcPeerMemory ipc_;
+};
+
+// device -1: the local rank (MPI_COMM_TYPE_SHARED) modulo the visible GPU count. Made current.
+int pick_device(MPI_Comm comm, int device, const char* who) {
+  if (device < 0) {
+    int rank = 0;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm node;
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+    int local_rank = 0;
+    MPI_Comm_rank(node, &local_rank);
+    MPI_Comm_free(&node);
+    int count = 0;
+    check_cuda(cudaGetDeviceCount(&count),
+               (std::string("cudaGetDeviceCount (") + who + ")").c_str());
+    device = local_rank % count;
+  }
+  check_cuda(cudaSetDevice(device), (std::string("cudaSetDevice (") + who + ")").c_str());
+  return device;
+}
 
 }  // namespace
 
@@ -52,17 +123,7 @@ Group nccl_group(MPI_Comm comm, int device) {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
-  if (device < 0) {
-    MPI_Comm node;
-    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-    int local_rank = 0;
-    MPI_Comm_rank(node, &local_rank);
-    MPI_Comm_free(&node);
-    int count = 0;
-    check_cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount (xent::mpi::nccl_group)");
-    device = local_rank % count;
-  }
-  check_cuda(cudaSetDevice(device), "cudaSetDevice (xent::mpi::nccl_group)");
+  device = pick_device(comm, device, "xent::mpi::nccl_group");
 
   // Rank 0 makes the id and broadcasts it with its status, so that a failure there reaches
   // every rank instead of leaving them waiting in ncclCommInitRank.
@@ -76,6 +137,12 @@ Group nccl_group(MPI_Comm comm, int device) {
   ncclComm_t nccl = nullptr;
   check_nccl(ncclCommInitRank(&nccl, size, boot.id, rank), "ncclCommInitRank");
   return Group::own(nccl, device);
+}
+
+Group cuda_group(MPI_Comm comm, int device) {
+  require_init("xent::mpi::cuda_group");
+  device = pick_device(comm, device, "xent::mpi::cuda_group");
+  return Group::custom(std::make_shared<MpiCuda>(comm, device));
 }
 
 }  // namespace xent::mpi
