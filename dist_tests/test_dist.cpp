@@ -548,7 +548,7 @@ TEST_F(Dist, WideShardsCallsInARow) {
   const struct {
     int64_t rows;
     std::vector<int64_t> widths;
-  } shapes[] = {{600, growing(size(), 16032)}, {128, growing(size(), 64128)}, {600, mixed}};
+  } shapes[] = {{600, growing(size(), 16032)}, {256, growing(size(), 64128)}, {300, mixed}};
   for (const auto& shape : shapes)
     for (int call = 0; call < 3; ++call) {
       SCOPED_TRACE("rank 0 width " + std::to_string(shape.widths[0]) + ", call " +

@@ -1,6 +1,6 @@
-// The device exchange (Options::device_exchange) of one rank with itself, against the fp64
-// reference: through Group::local's peer memory, and through an NCCL communicator's (a symmetric
-// window, else CUDA IPC). Several ranks: the dist tests (dist_exchange_np2 to np4 run 2 to 4 ranks
+// The device exchange's paths (Options::device_exchange) on one rank, against the fp64 reference:
+// with Group::local's peer memory, and with an NCCL communicator's (a symmetric window, else CUDA
+// IPC). One rank keeps its own record (nothing goes through the peer memory but the epoch). Several ranks: the dist tests (dist_exchange_np2 to np4 run 2 to 4 ranks
 // as processes sharing one GPU, which the GPU time-slices; ranks as threads of one process, on
 // streams of one context, deadlocked now and then, since CUDA does not promise that kernels of
 // one context run concurrently).
