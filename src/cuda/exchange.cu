@@ -56,11 +56,8 @@ __global__ void __launch_bounds__(kExchangeThreads)
     for (int f = 0; f < layout.fields; ++f) rec[f] = record[f * xc.rows + row];
     publish_record(xc, layout, rec, row, epoch);
   }
-  for (int64_t row = first; row < xc.rows; row += step) {
-    float rec[core::RecordLayout::kMaxFields];
-    for (int f = 0; f < layout.fields; ++f) rec[f] = record[f * xc.rows + row];
-    gather_record(xc, layout, row, rec, gathered, epoch);
-  }
+  for (int64_t row = first; row < xc.rows; row += step)
+    gather_record(xc, layout, row, gathered, epoch);
 }
 
 }  // namespace

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
         float rec[core::RecordLayout::kMaxFields];
         rt.one_row_record(p, st, a.k, targets, rec, row, ptr.error);
         publish_record(xc, p.layout, rec, row, epoch);
-        gather_record(xc, p.layout, row, rec, ptr.record, epoch);
+        gather_record(xc, p.layout, row, ptr.record, epoch);
         const float lse = core::merge_records(ptr.record, xc.ranks, p.layout, p.rows, row).lse;
         if constexpr (S::kBlocks > 1)
           for (int b = 0; b < S::kBlocks; ++b) *to_block(row_lse, b) = lse;
