@@ -252,8 +252,9 @@ const std::vector<Option> kOptions = {
      },
      [](const Settings& s, json& c) { c["two_pass"] = s.two_pass; }},
     {"device_exchange", "--device-exchange", nullptr,
-     "exchange the records device-side through NCCL symmetric memory rather than an all-gather "
-     "(Options::device_exchange, opt-in; the path column says which path ran)",
+     "exchange the records device-side through peer memory (NCCL symmetric memory, else CUDA "
+     "IPC between the ranks of one host) rather than an all-gather (Options::device_exchange, "
+     "opt-in; the path column says which path ran)",
      true,
      [](Resolve& r, const Source* v) {
        if (v) r.s.device_exchange = to_bool(*v);
