@@ -94,8 +94,7 @@ Path path_of(const Group& group, const core::Problem& p, DType dtype, const Opti
       opt.single_pass && opt.grad_mode == GradMode::fused && cuda::single_pass_fits(p, dtype);
   // Whether a rank exchanges device-side depends on nothing of its own shard: ranks whose rows
   // do not fit the single pass publish theirs after the statistics, and still meet the others.
-  if (opt.device_exchange && group.size() <= PeerMemory::kMaxRanks &&
-      group.comm().has_peer_memory())
+  if (exchanges_device_side(group, opt))
     return single ? Path::single_pass_exchange : Path::two_pass_exchange;
   return single && group.size() == 1 ? Path::single_pass : Path::two_pass;
 }

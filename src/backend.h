@@ -45,6 +45,11 @@ struct Workspace {
   void prepare(int64_t rows, int fields, int ranks, cudaStream_t stream);
 };
 
+// Whether calls with `opt` on `group` exchange the records device-side (Options::device_exchange
+// on a CUDA group whose communicator may give peer memory); the same on every rank, whatever its
+// shard. Group::reserve and forward both ask (src/group.cpp).
+bool exchanges_device_side(const Group& group, const Options& opt);
+
 namespace cpu {
 void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float* record);
 // Global lse, losses, reduction, accuracy; writes ws.lse-or-out.lse and ws.scalars.

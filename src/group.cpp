@@ -68,14 +68,17 @@ Workspace& Group::workspace() const {
   return impl_->ws;
 }
 
+bool exchanges_device_side(const Group& group, const Options& opt) {
+  return opt.device_exchange && group.backend() == Backend::cuda &&
+         group.size() <= PeerMemory::kMaxRanks && group.comm().has_peer_memory();
+}
+
 void Group::reserve(int64_t rows, const Options& opt) const {
   if (rows < 0) fail("reserve(rows = " + std::to_string(rows) + "): must be >= 0");
   const DeviceScope on_device(*this);
   const int fields = static_cast<int>(record_bytes(opt) / sizeof(float));
   // Collective where it allocates: every rank reserves alike.
-  if (opt.device_exchange && backend() == Backend::cuda && size() <= PeerMemory::kMaxRanks &&
-      comm().has_peer_memory())
-    comm().peer_memory(cuda::exchange_bytes(rows, size()));
+  if (exchanges_device_side(*this, opt)) comm().peer_memory(cuda::exchange_bytes(rows, size()));
   if (backend() == Backend::cuda &&
       Workspace::bytes_needed(rows, fields, size()) > impl_->ws.capacity) {
     // Setup time, no stream given: the old buffer may be in use on any stream.

@@ -29,12 +29,6 @@ int lsa_size(ncclComm_t comm);  // ranks of this rank's NVLink domain (NCCL's LS
 bool has_symmetric_memory(ncclComm_t comm);
 #endif
 
-// The 32-bit word at each of `at` (one per rank, device addresses), read on the device.
-struct PeerWords {
-  const void* at[PeerMemory::kMaxRanks];
-};
-void read_words(const PeerWords& w, int ranks, uint32_t* out);
-
 // Each rank's peer memory carries its rank's signature in its word 1 (the exchange leaves words
 // 1 to 63 of its header alone): written into this rank's buffer, then checked on the device
 // through every rank's address before any rank uses the memory.

@@ -33,6 +33,11 @@ void read_back(T* out, int n, const char* what, Kernel kernel, Args... args) {
   check_cuda(e, (std::string("the kernel reading the ") + what).c_str());
 }
 
+// The 32-bit word at each of `at` (one per rank, device addresses).
+struct PeerWords {
+  const void* at[PeerMemory::kMaxRanks];
+};
+
 __global__ void read_words_kernel(PeerWords w, int ranks, uint32_t* out) {
   const int k = static_cast<int>(threadIdx.x);
   if (k < ranks) out[k] = *static_cast<const volatile uint32_t*>(w.at[k]);
@@ -47,10 +52,6 @@ __global__ void lsa_pointers_kernel(ncclWindow_t win, int ranks, void** out) {
 
 }  // namespace
 
-void read_words(const PeerWords& w, int ranks, uint32_t* out) {
-  read_back(out, ranks, "peer words", read_words_kernel, w, ranks);
-}
-
 void write_signature(void* buffer, int rank) {
   const uint32_t mine = kSignature + static_cast<uint32_t>(rank);
   check_cuda(
@@ -62,7 +63,7 @@ bool signatures_read_back(const PeerMemory& m, int ranks) {
   PeerWords w{};
   for (int k = 0; k < ranks; ++k) w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + 1;
   uint32_t seen[PeerMemory::kMaxRanks] = {};
-  read_words(w, ranks, seen);
+  read_back(seen, ranks, "peer words", read_words_kernel, w, ranks);
   bool ok = true;
   for (int k = 0; k < ranks; ++k) ok &= seen[k] == kSignature + static_cast<uint32_t>(k);
   return ok;

@@ -1,5 +1,5 @@
-// xent/mpi.h: the CPU backend's exchange over MPI, and NCCL bootstrapped over MPI. Built into
-// libxent_mpi (xent::mpi) so that the core needs no MPI.
+// xent/mpi.h: the CPU backend's exchange over MPI, NCCL bootstrapped over MPI, and the CUDA
+// backend over MPI without NCCL. Built into libxent_mpi (xent::mpi) so that the core needs no MPI.
 #include <cuda_runtime.h>
 
 #include <climits>
