@@ -159,13 +159,14 @@ struct DistCase {
   std::vector<double> grad_output;  // empty: 1
   GradTol tol = {};
   int64_t stride_extra = 2;
-  bool pad_grad_exact_zero = true;  // padded columns' gradient must be exactly 0
+  bool pad_grad_exact_zero = true;     // padded columns' gradient must be exactly 0
+  const xent::Group* group = nullptr;  // null: the environment's
 };
 
 void run_dist(const DistCase& c) {
   const int r = env().rank;
   ASSERT_EQ(c.widths.size(), static_cast<size_t>(env().size));
-  const xent::Group& g = *env().group;
+  const xent::Group& g = c.group != nullptr ? *c.group : *env().group;
   const int64_t N = c.x.rows, Vpad = c.x.cols;
   const std::vector<int64_t> starts = xtest::starts_of(c.widths);
   ASSERT_EQ(starts.back() + c.widths.back(), Vpad);
@@ -567,6 +568,49 @@ TEST_F(Dist, WideShardsCallsInARow) {
       }
       run_dist(c);
     }
+}
+
+// The group's communicator, but its peer memory asks each kernel of the device exchange for
+// `share` times the device's resident blocks (PeerMemory::device_share).
+class ShareOverride : public xent::Communicator {
+ public:
+  ShareOverride(xent::Communicator& inner, float share) : inner_(inner), share_(share) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  xent::Backend backend() const override { return inner_.backend(); }
+  int device() const override { return inner_.device(); }
+  void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) override {
+    inner_.all_gather(send, recv, bytes, stream);
+  }
+  bool has_peer_memory() const override { return inner_.has_peer_memory(); }
+  const xent::PeerMemory* peer_memory(size_t bytes) override {
+    const xent::PeerMemory* m = inner_.peer_memory(bytes);
+    if (m == nullptr) return nullptr;
+    memory_ = *m;
+    memory_.device_share = share_;
+    return &memory_;
+  }
+
+ private:
+  xent::Communicator& inner_;
+  float share_;
+  xent::PeerMemory memory_;
+};
+
+// The exchange's kernels take their rows by ticket, so no grid has to be resident: here rank 0's
+// single-pass kernel has four times the clusters that fit at once, the other ranks' as many as
+// fit. (With rows dealt out by cluster index, rank 0's clusters that could not start yet held
+// rows that the other ranks waited for, while its running ones waited for those ranks' later
+// rows: every rank stopped at the wait's timeout.)
+TEST_F(Dist, ExchangeGridLargerThanResident) {
+  if (!env().cuda || !env().exchange) GTEST_SKIP() << "the device exchange's kernels (CUDA)";
+  const xent::Group g = xent::Group::custom(
+      std::make_shared<ShareOverride>(env().group->comm(), env().rank == 0 ? 4.0f : 1.0f));
+  // 20000 bf16 columns a rank: a block of 512 threads a row, 2 resident on a multiprocessor;
+  // 1100 rows are more than four times that on 132 multiprocessors.
+  DistCase c = make_case(1100, growing(size(), 20000), 77, DType::bf16, 0.1);
+  c.group = &g;
+  run_dist(c);
 }
 
 // ------------------------------------------------------------------------------ bad input

@@ -82,10 +82,11 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
               cudaStream_t stream);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
-// exchange_epoch: the device exchange's call counter (the first word of this rank's peer
-// memory), advanced here before single_pass_exchange; null elsewhere.
+// exchange_header: the device exchange's header in this rank's peer memory (cuda/exchange.cuh):
+// its call counter is advanced and its row tickets zeroed here before the exchange's kernels;
+// null elsewhere.
 void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream,
-                 uint32_t* exchange_epoch = nullptr);
+                 uint32_t* exchange_header = nullptr);
 // One rank, fused: whether single_pass takes rows of p's shape (no padding columns, rows that a
 // block's registers hold and that the two-pass path would give a block).
 bool single_pass_fits(const core::Problem& p, DType dtype);

@@ -100,10 +100,11 @@ struct Options {
   // rank, its record exchanged while the row is on chip; a rank whose rows do not fit takes the
   // two passes and publishes its records after the first, so that ranks of uneven shards still
   // meet ("two-pass, device exchange"). Every rank must make the same calls with this option, and
-  // each kernel's whole grid must be resident at once: no kernel of another stream that waits
-  // for another GPU (a data-parallel all-reduce) may hold the GPUs' multiprocessors meanwhile. A
-  // rank that waits longer than PeerMemory::wait_timeout_s (60 s) for another's record stops its
-  // kernel with a message. Off by default: checked against the fp64 reference with 2 to 4 ranks
+  // each rank's kernel must be able to start: a kernel of another stream that waits for another
+  // GPU (a data-parallel all-reduce) must not hold all of a GPU's multiprocessors meanwhile (the
+  // kernels take rows by ticket, so they need no more than some of them). A rank that waits
+  // longer than PeerMemory::wait_timeout_s (60 s) for another's record stops its kernel with a
+  // message. Off by default: checked against the fp64 reference with 2 to 4 ranks
   // (processes sharing one GPU: the dist tests), not yet timed across GPUs. A communicator
   // without peer memory takes the all-gather; on one rank the exchange is with itself, through
   // its own peer memory (tests).
@@ -128,12 +129,12 @@ struct PeerMemory {
   static constexpr int kMaxRanks = 8;
   void* peers[kMaxRanks] = {};  // rank k's buffer, as this process addresses it
   size_t bytes = 0;             // each buffer's size
-  // The share of the device's resident blocks one rank's kernel may take: 1 for a GPU of its
-  // own, 1 / ranks where the ranks share one GPU (tests), so that every rank's grid is resident.
+  // The share of the device's resident blocks one rank's kernel takes: 1 for a GPU of its own,
+  // 1 / ranks where the ranks share one GPU (tests), so that their grids fit side by side.
   float device_share = 1.0f;
   // A kernel that waits longer than this for another rank's record stops with a message naming
   // the rank and the row (a launch failure) rather than hang: the ranks did not make the same
-  // calls, or a rank's grid could not be resident (kernels of other streams held the GPU).
+  // calls, or a rank's kernel could not start (kernels of other streams held its GPU).
   double wait_timeout_s = 60.0;
 };
 

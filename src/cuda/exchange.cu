@@ -40,24 +40,29 @@ namespace {
 
 constexpr int kExchangeThreads = 256;
 
-// A thread a row, over a grid that is resident as a whole: every row's record published first,
-// then every rank's gathered. No thread waits before all of its own rows are published, and every
-// thread runs, so that whatever another rank waits for arrives.
+// A thread a row, the block's rows kExchangeThreads at a time by ticket (exchange.cuh): each
+// thread publishes its row's record, then gathers every rank's.
 __global__ void __launch_bounds__(kExchangeThreads)
     exchange_records_kernel(const PeerExchange xc, const core::RecordLayout layout,
                             const float* record, float* gathered) {
+  __shared__ int64_t group;
   pdl_trigger();
   pdl_wait();
   const uint32_t epoch = exchange_epoch(xc);
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t row = first; row < xc.rows; row += step) {
-    float rec[core::RecordLayout::kMaxFields];
-    for (int f = 0; f < layout.fields; ++f) rec[f] = record[f * xc.rows + row];
-    publish_record(xc, layout, rec, row, epoch);
+  for (;;) {
+    if (threadIdx.x == 0) group = take_ticket(xc);
+    __syncthreads();
+    const int64_t first = group * kExchangeThreads;
+    __syncthreads();  // every thread has read group before thread 0 takes the next
+    if (first >= xc.rows) return;
+    const int64_t row = first + threadIdx.x;
+    if (row < xc.rows) {
+      float rec[core::RecordLayout::kMaxFields];
+      for (int f = 0; f < layout.fields; ++f) rec[f] = record[f * xc.rows + row];
+      publish_record(xc, layout, rec, row, epoch);
+      gather_record(xc, layout, row, gathered, epoch);
+    }
   }
-  for (int64_t row = first; row < xc.rows; row += step)
-    gather_record(xc, layout, row, gathered, epoch);
 }
 
 }  // namespace
@@ -76,7 +81,7 @@ void exchange_records(const core::Problem& p, const float* record, const PeerMem
   if (p.rows == 0) return;
   const PeerExchange xc = make_peer_exchange(peers, rank, ranks, p.rows);
   const auto kernel = exchange_records_kernel;
-  static PerDevice resident_blocks;
+  static PerDevice resident_blocks;  // more would start only to find the tickets taken
   const int n = resident_blocks.get(
       current_device(), [&] { return resident_clusters(kernel, kExchangeThreads, 1, 0); });
   const auto resident = static_cast<int64_t>(static_cast<double>(n) * peers.device_share);

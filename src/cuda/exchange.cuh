@@ -3,9 +3,10 @@
 // own for the other ranks' records of that row: in the single-pass kernel while the row is still
 // on chip, or after the statistics kernel (exchange_records, the two-pass path).
 //
-// Each rank's peer memory starts with its epoch, the number of its calls (count_valid adds one
-// before each, on the device, so that a CUDA graph's replays count too; never 0, and after
-// 2^32 - 1 comes 2, so that the parity alternates), then the slots. A slot holds a record's
+// Each rank's peer memory starts with a header: its epoch, the number of its calls (count_valid
+// adds one before each, on the device, so that a CUDA graph's replays count too; never 0, and
+// after 2^32 - 1 comes 2, so that the parity alternates), and its row tickets (count_valid zeroes
+// them). Then the slots. A slot holds a record's
 // fields (core::RecordLayout, 5 at most), each in a 64-bit word of its own together with the
 // call's epoch: an aligned 64-bit store is single-copy atomic, so a reader that sees this call's
 // epoch in a word sees the field stored with it, and neither side needs a fence (NCCL's LL
@@ -14,6 +15,14 @@
 // the epoch's: a rank can reach call e + 2's store into a slot only after every rank has passed
 // call e + 1's kernel for that row, which starts after their call e (its kernel and finalize,
 // stream-ordered) read the slot.
+//
+// The kernels take their rows by ticket (take_ticket): a cluster or block holds a row only once
+// it runs, publishes its record before it waits for any, and a rank's rows are taken in
+// increasing order. So no wait depends on a block that has not started: the smallest row that
+// any block waits for belongs to a rank that has not taken it, whose running blocks hold smaller
+// rows and so are not waiting; they finish and that rank takes the row. No grid needs to be
+// resident (a kernel of another stream may hold some of the multiprocessors), and a block that
+// runs faster takes more rows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,7 +35,7 @@
 namespace xent::cuda::detail {
 
 struct PeerExchange {
-  static constexpr int kHeaderFloats = 64;  // the epoch, then 252 bytes unused
+  static constexpr int kHeaderFloats = 64;  // the epoch, the tickets, then 248 bytes unused
   static constexpr int kSlotWords = 8;      // 64-bit words: a field and the epoch each
   float* peers[PeerMemory::kMaxRanks];  // every rank's peer memory, as this process addresses it
   int rank = 0, ranks = 1;
@@ -66,6 +75,12 @@ __device__ __forceinline__ uint32_t exchange_epoch(const PeerExchange& x) {
   return *reinterpret_cast<const uint32_t*>(x.peers[x.rank]);
 }
 
+// By one thread: the next of this call's tickets on this rank (0, 1, 2, ...): a row, or for
+// exchange_records a group of rows.
+__device__ __forceinline__ int64_t take_ticket(const PeerExchange& x) {
+  return atomicAdd(reinterpret_cast<unsigned int*>(x.peers[x.rank]) + 1, 1u);
+}
+
 // By one thread: this rank's record of `row` (rec, in the one-row layout of core::write_record)
 // into every rank's slot for it.
 __device__ __forceinline__ void publish_record(const PeerExchange& x, const core::RecordLayout& L,
@@ -84,8 +99,8 @@ __device__ __forceinline__ void publish_record(const PeerExchange& x, const core
 // in registers, spill more of them (8192 x 16032 bf16, one rank, H100: 0.300 ms against 0.243;
 // 0.202 without the exchange); the exchange as a function of its own, not inlined, made ptxas
 // report more spill stores still (not timed). A wait past the timeout means the ranks do not
-// run the same calls, or a rank's grid is not resident: the kernel stops (a launch failure)
-// rather than hang.
+// run the same calls, or a rank's kernel could not start (kernels of other streams held its
+// GPU): the kernel stops (a launch failure) rather than hang.
 __device__ __forceinline__ void gather_record(const PeerExchange& x, const core::RecordLayout& L,
                                               int64_t row, float* gathered, uint32_t epoch) {
   constexpr int kMax = core::RecordLayout::kMaxFields;
@@ -104,7 +119,7 @@ __device__ __forceinline__ void gather_record(const PeerExchange& x, const core:
           printf(
               "xent: device exchange: rank %d waited %.0f s for rank %d's record of row %lld "
               "(call %u; the slot holds call %u's): the ranks must make the same calls in the "
-              "same order, each with its grid resident\n",
+              "same order, and each rank's kernel must be able to start\n",
               x.rank, 1e-9 * static_cast<double>(x.timeout_ns), k, static_cast<long long>(row),
               epoch, static_cast<uint32_t>(w[f] >> 32));
           __trap();

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 
 __global__ void __launch_bounds__(kCountThreads)
     count_valid_kernel(const core::Problem p, const TargetsView targets, float* scalars,
-                       uint32_t* exchange_epoch) {
+                       uint32_t* exchange_header) {
   using Reduce = cub::BlockReduce<unsigned long long, kCountThreads>;
   __shared__ typename Reduce::TempStorage smem;
   pdl_trigger();
@@ -130,9 +130,11 @@ __global__ void __launch_bounds__(kCountThreads)
   }
   const unsigned long long all = Reduce(smem).Sum(mine);
   if (threadIdx.x == 0) {
-    if (exchange_epoch != nullptr) {  // never 0; 2 after 2^32 - 1, so the parity alternates
-      const uint32_t e = *exchange_epoch + 1u;
-      *exchange_epoch = e == 0u ? 2u : e;
+    if (exchange_header != nullptr) {
+      // The epoch (never 0; 2 after 2^32 - 1, so that the parity alternates) and the tickets.
+      const uint32_t e = exchange_header[0] + 1u;
+      exchange_header[0] = e == 0u ? 2u : e;
+      exchange_header[1] = 0u;
     }
     const float valid = static_cast<float>(all);
     scalars[Workspace::kScale] =
@@ -157,10 +159,10 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
 }
 
 void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cudaStream_t stream,
-                 uint32_t* exchange_epoch) {
+                 uint32_t* exchange_header) {
   // Launched for rows = 0 too: the scalars are still written.
   launch("xent count_valid kernel", count_valid_kernel, 1, kCountThreads, p.programmatic_launch,
-         stream, p, targets, scalars, exchange_epoch);
+         stream, p, targets, scalars, exchange_header);
 }
 
 }  // namespace xent::cuda
