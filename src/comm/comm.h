@@ -29,9 +29,9 @@ int lsa_size(ncclComm_t comm);  // ranks of this rank's NVLink domain (NCCL's LS
 bool has_symmetric_memory(ncclComm_t comm);
 #endif
 
-// Each rank's peer memory carries its rank's signature in its word 1 (the exchange leaves words
-// 1 to 63 of its header alone): written into this rank's buffer, then checked on the device
-// through every rank's address before any rank uses the memory.
+// Each rank's peer memory carries its rank's signature in its word 1: written into this rank's
+// buffer, then checked on the device through every rank's address before any rank uses the
+// memory. Once in use, that word holds the exchange's row tickets (cuda/exchange.cuh).
 void write_signature(void* buffer, int rank);
 bool signatures_read_back(const PeerMemory& m, int ranks);
 

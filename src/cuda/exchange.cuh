@@ -35,8 +35,9 @@
 namespace xent::cuda::detail {
 
 struct PeerExchange {
-  static constexpr int kHeaderFloats = 64;  // the epoch, the tickets, then 248 bytes unused
-  static constexpr int kSlotWords = 8;      // 64-bit words: a field and the epoch each
+  // The epoch, the tickets (in the word of the setup's signature: comm.h), 248 bytes unused.
+  static constexpr int kHeaderFloats = 64;
+  static constexpr int kSlotWords = 8;  // 64-bit words: a field and the epoch each
   float* peers[PeerMemory::kMaxRanks];  // every rank's peer memory, as this process addresses it
   int rank = 0, ranks = 1;
   int64_t rows = 0;         // slots per parity and rank: the call's rows

@@ -1,9 +1,10 @@
 // The device exchange's paths (Options::device_exchange) on one rank, against the fp64 reference:
 // with Group::local's peer memory, and with an NCCL communicator's (a symmetric window, else CUDA
-// IPC): its records go through its own peer memory, as every rank's do on several ranks. Several ranks: the dist tests (dist_exchange_np2 to np4 run 2 to 4 ranks
-// as processes sharing one GPU, which the GPU time-slices; ranks as threads of one process, on
-// streams of one context, deadlocked now and then, since CUDA does not promise that kernels of
-// one context run concurrently).
+// IPC): its records go through its own peer memory, as every rank's do on several ranks. Several
+// ranks: the dist tests (dist_exchange_np2 to np4 run 2 to 4 ranks as processes sharing one GPU,
+// which the GPU time-slices; ranks as threads of one process, on streams of one context,
+// deadlocked now and then, since CUDA does not promise that kernels of one context run
+// concurrently).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <nccl.h>
