@@ -29,9 +29,10 @@ int lsa_size(ncclComm_t comm);  // ranks of this rank's NVLink domain (NCCL's LS
 bool has_symmetric_memory(ncclComm_t comm);
 #endif
 
-// Each rank's peer memory carries its rank's signature in its word 1: written into this rank's
-// buffer, then checked on the device through every rank's address before any rank uses the
-// memory. Once in use, that word holds the exchange's row tickets (cuda/exchange.cuh).
+// Each rank's peer memory carries its rank's signature in a word of its header
+// (PeerExchange::kSignatureWord, cuda/exchange.cuh; the exchange leaves it alone): written into
+// this rank's buffer, then checked on the device through every rank's address before any rank
+// uses the memory.
 void write_signature(void* buffer, int rank);
 bool signatures_read_back(const PeerMemory& m, int ranks);
 

@@ -13,6 +13,7 @@
 
 #include "backend.h"
 #include "core/finalize.h"
+#include "cuda/exchange.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/row_walk.cuh"
 
@@ -132,9 +133,10 @@ __global__ void __launch_bounds__(kCountThreads)
   if (threadIdx.x == 0) {
     if (exchange_header != nullptr) {
       // The epoch (never 0; 2 after 2^32 - 1, so that the parity alternates) and the tickets.
-      const uint32_t e = exchange_header[0] + 1u;
-      exchange_header[0] = e == 0u ? 2u : e;
-      exchange_header[1] = 0u;
+      using X = detail::PeerExchange;
+      const uint32_t e = exchange_header[X::kEpochWord] + 1u;
+      exchange_header[X::kEpochWord] = e == 0u ? 2u : e;
+      exchange_header[X::kTicketWord] = 0u;
     }
     const float valid = static_cast<float>(all);
     scalars[Workspace::kScale] =

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "cuda/exchange.cuh"
 #include "error.h"
 
 #if defined(XENT_NCCL_WINDOWS)
@@ -19,6 +20,7 @@ namespace xent::comm {
 namespace {
 
 constexpr uint32_t kSignature = 0x7e400000u;
+constexpr int kSignatureWord = cuda::detail::PeerExchange::kSignatureWord;
 
 // n values of type T that `kernel` (one block of 32 threads, given a device array of n) writes,
 // copied back into out; `what` names it in errors.
@@ -54,14 +56,15 @@ __global__ void lsa_pointers_kernel(ncclWindow_t win, int ranks, void** out) {
 
 void write_signature(void* buffer, int rank) {
   const uint32_t mine = kSignature + static_cast<uint32_t>(rank);
-  check_cuda(
-      cudaMemcpy(static_cast<uint32_t*>(buffer) + 1, &mine, sizeof mine, cudaMemcpyHostToDevice),
-      "cudaMemcpy (peer memory signature)");
+  check_cuda(cudaMemcpy(static_cast<uint32_t*>(buffer) + kSignatureWord, &mine, sizeof mine,
+                        cudaMemcpyHostToDevice),
+             "cudaMemcpy (peer memory signature)");
 }
 
 bool signatures_read_back(const PeerMemory& m, int ranks) {
   PeerWords w{};
-  for (int k = 0; k < ranks; ++k) w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + 1;
+  for (int k = 0; k < ranks; ++k)
+    w.at[k] = static_cast<const uint32_t*>(m.peers[k]) + kSignatureWord;
   uint32_t seen[PeerMemory::kMaxRanks] = {};
   read_back(seen, ranks, "peer words", read_words_kernel, w, ranks);
   bool ok = true;

@@ -285,11 +285,13 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       for (int c = n + t; c < static_cast<int>(p.cols); c += S::kThreads) dx[c] = T{};
   };
   if constexpr (kExchange) {
-    // The loop costs registers: at 64128 bf16 columns on one H200, with the exchange's waits
-    // taken out, it ran 0.636 ms against the one-row kernel's 0.557 (Nsight Compute: 12 % more
-    // instructions, 50 MB of local-memory loads); a cluster a row with its ticket taken at its
-    // start ran 0.671 without the waits and 0.683 with them (the ticket's round trip exposed).
-    // Both left to later work.
+    // What the exchange costs, one H200, one rank, 8192 x 64128 bf16: 0.636 ms against the
+    // one-row kernel's 0.557. Nsight Compute: mostly the other warps' wait at the barrier for
+    // thread 0's exchange (twice the one-row kernel's stall samples there), then registers (the
+    // loop spills: 8 % more instructions, 34 MB of local-memory loads against 0.26). Tried:
+    // without the exchange's waits, 0.612 to 0.636; a cluster a row with its ticket taken at its
+    // start, 0.671 without the waits and 0.683 with them (the ticket's round trip exposed); the
+    // lse merged from the gathered words in registers, 0.630 (0.190 against 0.188 at 16032).
     // Turn k reads next_row[k & 1] after the cluster's last barrier of that turn; the next write
     // to it, in turn k + 2, comes after every thread of the cluster has passed turn k + 1's.
     if (t == 0 && rank == 0) {
