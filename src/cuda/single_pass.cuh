@@ -99,6 +99,15 @@ __device__ __forceinline__ V* to_block(V& v, int rank) {  // v in block `rank`'s
 #endif
 }
 
+// A barrier for every thread of a cluster of kBlocks (1: this block's, no cluster call).
+template <int kBlocks>
+__device__ __forceinline__ void sync_cluster() {
+  if constexpr (kBlocks > 1)
+    cluster_sync();
+  else
+    __syncthreads();
+}
+
 // v = value in every block of a cluster of kBlocks (1: in this block, no cluster call).
 template <int kBlocks, typename V>
 __device__ __forceinline__ void set_in_cluster(V& v, const V value) {
@@ -238,10 +247,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       row_lse = rt.one_rank_lse(p, st);
       row_target = rt.target;
     }
-    if constexpr (S::kBlocks > 1)
-      cluster_sync();  // and no block leaves while another reads its part
-    else
-      __syncthreads();
+    sync_cluster<S::kBlocks>();  // and no block leaves while another reads its part
 
     // This block's part of the gradient, from the registers (0 for a row without one).
     T* dx = static_cast<T*>(out.data) + row * out.row_stride;
@@ -298,10 +304,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       const int64_t first = take_ticket(xc);
       set_in_cluster<S::kBlocks>(next_row[1], first);
     }
-    if constexpr (S::kBlocks > 1)
-      cluster_sync();
-    else
-      __syncthreads();
+    sync_cluster<S::kBlocks>();
     int64_t row = next_row[1];
     for (int turn = 0; row < p.rows; ++turn) {
       one_row(row, turn);
