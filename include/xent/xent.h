@@ -83,9 +83,11 @@ struct Options {
   // CUDA backend, one rank, grad_mode fused: read each row once where it fits on chip (a block's
   // registers and shared memory, or a cluster of 2 to 4 blocks: rows of 4097 to 262144 real
   // columns of 2-byte logits, 2049 to 131072 of float32, before compute capability 9.0 up to
-  // 32768 and 16384; and up to 4096 padding columns): statistics and gradient in one kernel. false
-  // takes the two-pass path (statistics, then gradient), as every other case does. forward_path()
-  // says which one a call takes.
+  // 32768 and 16384; and up to 4096 padding columns): statistics and gradient in one kernel.
+  // Capped rows (softcap) of 2-byte logits wider than 16384 columns take two passes where the
+  // memory is fast for the SMs (more than 16 bytes per SM clock at peak: H200, not H100), where
+  // two passes measured faster. false takes the two-pass path (statistics, then gradient), as
+  // every other case does. forward_path() says which one a call takes.
   bool single_pass = true;
   // grad_mode fused: forward writes the gradient for grad_output = grad_scale (e.g. 1 / the
   // gradient-accumulation steps, or a loss scale) rather than 1, and backward rescales rows by

@@ -16,18 +16,39 @@ int current_device() {
   return dev;
 }
 
+namespace {
+int attribute(cudaDeviceAttr a, int dev, const char* name) {
+  int v = 0;
+  check_cuda(cudaDeviceGetAttribute(&v, a, dev),
+             (std::string("cudaDeviceGetAttribute(") + name + ")").c_str());
+  return v;
+}
+// 0 where the driver does not report it (the choice it feeds then keeps its default).
+int optional_attribute(cudaDeviceAttr a, int dev) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, a, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return v;
+}
+}  // namespace
+
 DeviceInfo device_info() {
-  static PerDevice cache;  // sms * 2 + pdl
+  static PerDevice cache;  // sms * 4 + fast_memory * 2 + pdl
   const int dev = current_device();
   const int v = cache.get(dev, [dev] {
-    int sms = 0, major = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-               "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
-               "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
-    return sms * 2 + (major >= 9 ? 1 : 0);
+    const int sms = attribute(cudaDevAttrMultiProcessorCount, dev, "MultiProcessorCount");
+    const int major = attribute(cudaDevAttrComputeCapabilityMajor, dev, "ComputeCapabilityMajor");
+    // Peak figures, in kHz and bits (double data rate): H100 SXM 12.8 bytes per clock, H200 18.8.
+    const double mem_khz = optional_attribute(cudaDevAttrMemoryClockRate, dev);
+    const double bus_bits = optional_attribute(cudaDevAttrGlobalMemoryBusWidth, dev);
+    const double sm_khz = optional_attribute(cudaDevAttrClockRate, dev);
+    const double per_clock =
+        sm_khz > 0.0 && sms > 0 ? mem_khz * bus_bits * 2.0 / 8.0 / (sm_khz * sms) : 0.0;
+    return sms * 4 + (per_clock > 16.0 ? 2 : 0) + (major >= 9 ? 1 : 0);
   });
-  return DeviceInfo{v / 2, (v & 1) != 0};
+  return DeviceInfo{v / 4, (v & 1) != 0, (v & 2) != 0};
 }
 
 void launch_failed(const char* name, cudaError_t e) {

@@ -43,7 +43,8 @@ int current_device();
 // need.
 struct DeviceInfo {
   int sms;
-  bool pdl;  // and clusters
+  bool pdl;          // and clusters
+  bool fast_memory;  // more than 16 bytes of memory bandwidth per multiprocessor clock
 };
 DeviceInfo device_info();
 

@@ -11,8 +11,21 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
   const int64_t n = static_cast<int64_t>(16 / dtype_size(dtype));  // elements per pack
   // Rows that a warp takes on the two-pass path stay there (a block per row would idle).
   const bool block_row = row_packs(p, dtype) > RowPolicy::kWarpRowPacks;
-  const bool clusters = device_info().pdl;  // compute capability 9.0 and newer
+  const DeviceInfo device = device_info();
+  const bool clusters = device.pdl;  // compute capability 9.0 and newer
   const int64_t most = clusters ? kLargestRowPacks : kLargestBlockRowPacks;
+  // Capped rows (a softcap) of 2-byte logits: the single pass is bound by the SM's arithmetic
+  // (two exponentials per element in each phase), the two-pass path by memory. 8192 rows, bf16,
+  // softcap 30, single pass against two passes: on H100 the single pass wins at 7 of 9 widths
+  // from 8200 to 256000 columns (64128: 0.903 against 1.096 ms; it loses at 151936, 2.639
+  // against 2.573, and 200000, 3.950 against 3.490); on H200, whose memory is 47 % faster for
+  // the same SMs, the single pass takes the same time (64128: 0.884 ms) and wins in the
+  // smallest shape only (16032: 0.235 against 0.253; 32064: 0.483 against 0.447; 128000: 1.848
+  // against 1.692; 256000: 3.968 against 3.381).
+  constexpr int64_t kSmallestRowPacks = std::tuple_element_t<0, Shapes>::kRowPacks;
+  if (p.softcap > 0.0f && dtype_size(dtype) == 2 && device.fast_memory &&
+      row_packs(p, dtype) > kSmallestRowPacks)
+    return false;
   return block_row && p.real_cols <= most * n;
 }
 

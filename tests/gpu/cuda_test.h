@@ -1,10 +1,12 @@
 // What the CUDA test files share: the visible device count, a skip where there is no GPU (CI),
-// a CUDA status check, and a device buffer that frees itself.
+// a CUDA status check, the single pass's choice for capped rows, and a device buffer that frees
+// itself.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -22,6 +24,31 @@ inline int device_count() {
 
 inline void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Whether forward_path takes the single pass for capped rows (a softcap) of `real_cols` columns
+// of `elem_bytes`-byte logits on the current device, where the rows fit it: not for 2-byte rows
+// wider than 16384 columns (the smallest shape) where the memory's peak bandwidth exceeds 16
+// bytes per multiprocessor clock (H200; not H100), as xent measured them slower there. An
+// attribute the driver does not report counts as 0, as in the library: the single pass stays.
+inline bool capped_rows_take_single_pass(int elem_bytes, int64_t real_cols) {
+  int dev = 0;
+  ck(cudaGetDevice(&dev), "cudaGetDevice");
+  const auto attribute = [dev](cudaDeviceAttr a) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, a, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0.0;
+    }
+    return static_cast<double>(v);
+  };
+  const double mem_khz = attribute(cudaDevAttrMemoryClockRate);
+  const double bus_bits = attribute(cudaDevAttrGlobalMemoryBusWidth);
+  const double sm_khz = attribute(cudaDevAttrClockRate);
+  const double sms = attribute(cudaDevAttrMultiProcessorCount);
+  const double bytes_per_clock =
+      sm_khz * sms > 0.0 ? 2.0 * mem_khz * bus_bits / 8.0 / (sm_khz * sms) : 0.0;
+  return !(elem_bytes == 2 && bytes_per_clock > 16.0 && real_cols / 8 > 2048);
 }
 
 struct DevBuf {
