@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <xent/mpi.h>
 #include <xent/xent.h>
 
 #include <cstdint>
@@ -85,6 +86,20 @@ struct Small {
     if (env().cuda) env().group->check_errors(env().stream);  // device-side bad targets
   }
 };
+
+// NCCL needs one GPU per rank: ranks that would share one are refused on every rank with a
+// message that says so and names the group for them, rather than NCCL's bare "invalid usage".
+// Runs where the ranks share GPU 0 (XENT_TEST_BACKEND=cuda-mpi, dist_exchange_np*).
+TEST_F(Dist, NcclGroupOnASharedGpuIsRefused) {
+  const char* be = std::getenv("XENT_TEST_BACKEND");
+  if (be == nullptr || std::string(be) != "cuda-mpi" || size() < 2)
+    GTEST_SKIP() << "needs ranks sharing a GPU (XENT_TEST_BACKEND=cuda-mpi)";
+  const std::string msg = every_rank_throws([] { xent::mpi::nccl_group(MPI_COMM_WORLD, 0); });
+  EXPECT_THAT(msg, ::testing::HasSubstr("NCCL needs one GPU per rank"));
+  EXPECT_THAT(msg, ::testing::HasSubstr("xent::mpi::cuda_group"));
+  EXPECT_THAT(msg, ::testing::HasSubstr("(device 0)"));
+  expect_group_still_works();
+}
 
 TEST_F(Dist, TargetOutOfRangeEveryRankThrows) {
   {

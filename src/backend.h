@@ -109,6 +109,9 @@ void single_pass_exchange(const core::Problem& p, LogitsView in, LogitsView out,
 // comes first.
 void exchange_records(const core::Problem& p, const float* record, const PeerMemory& peers,
                       int rank, int ranks, float* gathered, cudaStream_t stream);
+// Throws xent::Error where `device` is older than compute capability 8.0 or no kernel image of
+// this build runs on it (cuda/launch.cuh: device_info); the current device is left as it was.
+void check_device(int device);
 // Device count, 0 when there is no usable driver/GPU (never throws).
 int device_count();
 }  // namespace cuda

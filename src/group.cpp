@@ -19,6 +19,8 @@ Group::Group(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 namespace {
 Group make_group(std::shared_ptr<Communicator> comm) {
+  // A device that the kernels cannot run on is refused here, before any call.
+  if (comm->backend() == Backend::cuda && comm->device() >= 0) cuda::check_device(comm->device());
   auto impl = std::make_shared<Group::Impl>();
   impl->ws.backend = comm->backend();
   impl->ws.device = comm->device();

@@ -118,6 +118,42 @@ TEST(Single, ExtremeLogits) {
   xtest::run_local(x, t, opt, run);
 }
 
+// Row losses of 3e38 (logits of +-1.5e38): their mean is representable and must come out finite
+// (the reduction accumulates and divides in double, rounding once); their sum is not, and is inf.
+TEST(Single, MeanOfHugeRowLossesIsFinite) {
+  const int64_t N = 8, V = 16;
+  Matrix x(N, V, -1.5e38);
+  std::vector<int64_t> t(N);
+  for (int64_t i = 0; i < N; ++i) {
+    x.at(i, (i + 1) % V) = 1.5e38;
+    t[i] = i % V;  // a -1.5e38 logit
+  }
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Matrix xr = x;
+    for (double& v : xr.v) v = xtest::round_to(dt, v);
+    for (Reduction red : {Reduction::mean, Reduction::sum}) {
+      SCOPED_TRACE(std::string(xtest::dtype_name(dt)) +
+                   (red == Reduction::mean ? " mean" : " sum"));
+      xent::Options opt;
+      opt.reduction = red;
+      const xtest::RefResult ref = xtest::reference(xr, t, xtest::ref_options(opt, V));
+      xent::Group g = xent::Group::local();
+      xtest::HostLogits buf = xtest::make_shard(xr, 0, V, dt);
+      xtest::HostTargets tg(t, IndexType::i64);
+      float loss = 0;
+      xent::Outputs out;
+      out.loss = &loss;
+      xent::forward(g, buf.view(), tg.view(), opt, out);
+      if (red == Reduction::mean) {
+        ASSERT_TRUE(std::isfinite(loss)) << loss;
+        EXPECT_NEAR(loss, ref.loss, 1e-6 * ref.loss);
+      } else {
+        EXPECT_TRUE(std::isinf(loss) && loss > 0) << loss;
+      }
+    }
+  }
+}
+
 // Argmax: ties go to the smallest column (torch.argmax); accuracy counts non-ignored rows only.
 TEST(Single, ArgmaxTiesAndAccuracy) {
   const int64_t N = 5, V = 10;

@@ -49,8 +49,10 @@ XENT_HD RowTotal finalize_row(const Problem& p, const void* targets, IndexType t
 XENT_HD float finalize_totals(const Problem& p, double loss_sum, float valid, float correct,
                               const Outputs& out) {
   const bool mean = p.reduction == Reduction::mean;
+  // In double until the one rounding: a mean of row losses near the float maximum (3e38 each)
+  // stays finite, as a sum that fits does.
   if (p.reduction != Reduction::none)
-    out.loss[0] = static_cast<float>(loss_sum) * reduction_scale(mean, valid);
+    out.loss[0] = static_cast<float>(mean ? (valid > 0.0f ? loss_sum / valid : 0.0) : loss_sum);
   if (out.accuracy != nullptr) out.accuracy[0] = valid > 0.0f ? correct / valid : 0.0f;
   return gradient_scale(mean, valid, p.grad_scale);
 }

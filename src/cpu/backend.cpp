@@ -121,7 +121,7 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars) {
-  float total = 0.0f;  // rows in order
+  double total = 0.0;  // rows in order, in double as the CUDA backend's (finalize_totals)
   int64_t valid = 0, correct = 0;
   for (int64_t r = 0; r < p.rows; ++r) {
     const core::RowTotal t =

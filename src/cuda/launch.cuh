@@ -38,14 +38,22 @@ class PerDevice {
 // The current device (cudaGetDevice, checked).
 int current_device();
 
-// What the launches need of the current device: its multiprocessors, and whether it is of
-// compute capability 9.0 or newer, which programmatic dependent launch and thread-block clusters
-// need.
+// What the launches need of the current device and of the kernel image loaded on it. The
+// Hopper-only paths (programmatic dependent launch, thread-block clusters, distributed shared
+// memory) are compiled out of code for older architectures, so they are chosen from the image:
+// a build for sm_80 run on an H100 takes the sm_80 paths. Every kernel of the library is built
+// with the same architectures, so one probe kernel's image (cudaFuncGetAttributes' ptxVersion:
+// the __CUDA_ARCH__ its code was compiled for, also when the driver compiles PTX for a newer
+// device) stands for all of them.
 struct DeviceInfo {
   int sms;
-  bool pdl;          // and clusters
+  int image_arch;    // the loaded image's architecture, as __CUDA_ARCH__ / 10 (80, 90, 100, ...)
+  bool pdl;          // and clusters: both the device and the image are of 9.0 or newer
   bool fast_memory;  // more than 16 bytes of memory bandwidth per multiprocessor clock
 };
+// Throws xent::Error where the device is older than compute capability 8.0, or where the
+// library holds no kernel image that runs on it (naming the device and the build's
+// architectures). Read once per device.
 DeviceInfo device_info();
 
 // Throws xent::Error for a launch that failed (clearing the error, so that the caller's next
@@ -66,11 +74,14 @@ void launch_clusters(const char* name, void (*kernel)(Params...), unsigned grid,
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
-  if (pdl && device_info().pdl) {
+  const DeviceInfo device = device_info();  // also refuses a device the image cannot run on
+  if (pdl && device.pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
   if (cluster > 1) {
+    // A cluster launch of code built without clusters would run its blocks unsynchronised.
+    if (!device.pdl) launch_failed(name, cudaErrorInvalidConfiguration);
     attr[n].id = cudaLaunchAttributeClusterDimension;
     attr[n++].val.clusterDim = {cluster, 1, 1};
   }

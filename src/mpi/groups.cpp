@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +112,40 @@ int pick_device(MPI_Comm comm, int device, const char* who) {
   return device;
 }
 
+// NCCL needs one GPU per rank: ranks of one host that would share a device are refused on every
+// rank before ncclCommInitRank, which fails with a bare "invalid usage" on some of them and can
+// leave the others waiting. Collective over `comm`.
+void check_one_gpu_per_rank(MPI_Comm comm, int device) {
+  constexpr int kBusId = 32;
+  char bus[kBusId] = {};
+  check_cuda(cudaDeviceGetPCIBusId(bus, kBusId, device),
+             "cudaDeviceGetPCIBusId (xent::mpi::nccl_group)");
+  int rank = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm node;
+  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int local = 0, locals = 1;
+  MPI_Comm_rank(node, &local);
+  MPI_Comm_size(node, &locals);
+  std::vector<char> all(static_cast<size_t>(kBusId) * locals);
+  MPI_Allgather(bus, kBusId, MPI_BYTE, all.data(), kBusId, MPI_BYTE, node);
+  MPI_Comm_free(&node);
+  int other = -1;
+  for (int k = 0; k < locals && other < 0; ++k)
+    if (k != local && std::strncmp(all.data() + static_cast<size_t>(k) * kBusId, bus, kBusId) == 0)
+      other = k;
+  int mine = other >= 0 ? 1 : 0, any = 0;
+  MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm);
+  const std::string rule =
+      ": NCCL needs one GPU per rank (run at most as many ranks per host as it has GPUs, or give "
+      "each rank its own device); for ranks that share a GPU use xent::mpi::cuda_group";
+  if (mine)
+    fail("xent::mpi::nccl_group: local ranks " + std::to_string(local) + " and " +
+         std::to_string(other) + " of this host both use GPU " + bus + " (device " +
+         std::to_string(device) + ")" + rule);
+  if (any) fail("xent::mpi::nccl_group: ranks of another host share a GPU" + rule);
+}
+
 }  // namespace
 
 Group host_group(MPI_Comm comm) {
@@ -124,6 +159,7 @@ Group nccl_group(MPI_Comm comm, int device) {
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
   device = pick_device(comm, device, "xent::mpi::nccl_group");
+  check_one_gpu_per_rank(comm, device);
 
   // Rank 0 makes the id and broadcasts it with its status, so that a failure there reaches
   // every rank instead of leaving them waiting in ncclCommInitRank.

@@ -51,6 +51,26 @@ inline bool capped_rows_take_single_pass(int elem_bytes, int64_t real_cols) {
   return !(elem_bytes == 2 && bytes_per_clock > 16.0 && real_cols / 8 > 2048);
 }
 
+// The architecture the test binary's kernels run as on the current device (kernel_arch.cu).
+int kernel_arch();
+
+// Whether the library may launch thread-block clusters on the current device: the device and
+// the code that runs on it are both of 9.0 or newer (a build for sm_80 on an H100 has none).
+inline bool clusters_available() {
+  int dev = 0, major = 0;
+  ck(cudaGetDevice(&dev), "cudaGetDevice");
+  ck(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "compute capability");
+  return major >= 9 && kernel_arch() >= 90;
+}
+
+// Whether the single pass holds rows of `real_cols` columns of `elem_bytes`-byte logits: 4096
+// 16-byte packs in one block's registers, 32768 in a cluster of 4 blocks' registers and shared
+// memory.
+inline bool single_pass_holds(int elem_bytes, int64_t real_cols) {
+  const int64_t packs = (real_cols * elem_bytes + 15) / 16;
+  return packs <= (clusters_available() ? 32768 : 4096);
+}
+
 struct DevBuf {
   void* p = nullptr;
   size_t bytes = 0;

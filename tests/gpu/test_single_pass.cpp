@@ -50,13 +50,16 @@ void expect_both_paths(const xtest::Matrix& x, const std::vector<int64_t>& targe
   const xtest::RefOptions ro = xtest::ref_options(opt, vocab);
   const xtest::RefResult ref = xtest::reference(x, targets, ro);
   // Capped rows take two passes where xent measured them faster (capped_rows_take_single_pass).
-  const bool capped_single = v.softcap <= 0.0f || xtest::gpu::capped_rows_take_single_pass(
-                                                      static_cast<int>(xent::dtype_size(d)), vocab);
+  const int elem_bytes = static_cast<int>(xent::dtype_size(d));
+  const bool capped_single =
+      v.softcap <= 0.0f || xtest::gpu::capped_rows_take_single_pass(elem_bytes, vocab);
+  // Rows past one block's registers need clusters, which code built for sm_80 has not.
+  const bool held = xtest::gpu::single_pass_holds(elem_bytes, vocab);
   for (bool single : {true, false}) {
     SCOPED_TRACE(single ? "single-pass" : "two-pass (forced)");
     opt.single_pass = single;
     const OneRankRun r = xtest::gpu::run_one_rank(x, targets, d, opt, s);
-    EXPECT_EQ(r.path, single && capped_single ? "single-pass" : "two-pass");
+    EXPECT_EQ(r.path, single && capped_single && held ? "single-pass" : "two-pass");
     xtest::expect_outputs(r.out, ref, targets, ro);
     EXPECT_TRUE(xtest::grad_matches(r.grad, ref, 0, {}, /*check_gap=*/true, 77.0));
     int64_t nonzero_padding = 0;
@@ -163,15 +166,19 @@ TEST(SinglePass, PathChoice) {
     return std::string(xent::forward_path(g, xent::LogitsView{nullptr, d, 8, cols, cols}, opt));
   };
   // Rows that a warp takes on the two-pass path stay there; rows past the largest block shape
-  // take the two-pass path.
+  // take the two-pass path. Rows past one block's registers need clusters: where the code that
+  // runs has none (a build for sm_80, on any device), they take two passes.
+  const char* cluster_rows = xtest::gpu::clusters_available() ? "single-pass" : "two-pass";
   EXPECT_EQ(path(DType::bf16, 4096), "two-pass");
   EXPECT_EQ(path(DType::bf16, 4104), "single-pass");
-  EXPECT_EQ(path(DType::f16, 32776), "single-pass");  // a cluster of blocks
-  EXPECT_EQ(path(DType::bf16, 262144), "single-pass");
+  EXPECT_EQ(path(DType::bf16, 32768), "single-pass");  // one block's registers, the most
+  EXPECT_EQ(path(DType::f16, 32776), cluster_rows);    // a cluster of blocks
+  EXPECT_EQ(path(DType::bf16, 262144), cluster_rows);
   EXPECT_EQ(path(DType::bf16, 262152), "two-pass");
   EXPECT_EQ(path(DType::f32, 2048), "two-pass");
   EXPECT_EQ(path(DType::f32, 2052), "single-pass");
-  EXPECT_EQ(path(DType::f32, 131072), "single-pass");
+  EXPECT_EQ(path(DType::f32, 16384), "single-pass");
+  EXPECT_EQ(path(DType::f32, 131072), cluster_rows);
   EXPECT_EQ(path(DType::f32, 131076), "two-pass");
   xent::Options opt;
   opt.softcap = 30.0f;  // a softcap: the same widths, but for 2-byte rows past the smallest shape
@@ -179,10 +186,12 @@ TEST(SinglePass, PathChoice) {
   const bool wide_capped = xtest::gpu::capped_rows_take_single_pass(2, 16392);
   EXPECT_EQ(path(DType::bf16, 16384, opt), "single-pass");
   EXPECT_EQ(path(DType::bf16, 16392, opt), wide_capped ? "single-pass" : "two-pass");
-  EXPECT_EQ(path(DType::f16, 32776, opt), wide_capped ? "single-pass" : "two-pass");
-  EXPECT_EQ(path(DType::bf16, 262144, opt), wide_capped ? "single-pass" : "two-pass");
+  const char* wide_capped_rows = wide_capped ? cluster_rows : "two-pass";
+  EXPECT_EQ(path(DType::bf16, 32768, opt), wide_capped ? "single-pass" : "two-pass");
+  EXPECT_EQ(path(DType::f16, 32776, opt), wide_capped_rows);
+  EXPECT_EQ(path(DType::bf16, 262144, opt), wide_capped_rows);
   EXPECT_EQ(path(DType::bf16, 262152, opt), "two-pass");
-  EXPECT_EQ(path(DType::f32, 131072, opt), "single-pass");
+  EXPECT_EQ(path(DType::f32, 131072, opt), cluster_rows);
   opt = {};
   opt.single_pass = false;
   EXPECT_EQ(path(DType::bf16, 16032, opt), "two-pass");

@@ -99,6 +99,13 @@ def check_import(python, cwd):
 def pip_install(venv, *args):
     """pip install into the venv: with build isolation, pip fetches the build requirements
     (scikit-build-core, torch==2.11.0) from its index or cache; skipped where it cannot."""
+    # XENT_PIP_CUDA_ARCH (the ctest sets it to its build's, comma-separated): one architecture
+    # keeps the suite's builds short; unset, the package's default (the visible GPUs', else sm_80, sm_90 and
+    # sm_100) is built, as a user's `pip install .` does.
+    arch = os.environ.get("XENT_PIP_CUDA_ARCH")
+    if arch:
+        archs = arch.replace(",", ";")
+        args = (f"-Ccmake.define.CMAKE_CUDA_ARCHITECTURES={archs}",) + args
     cmd = [str(venv), "-m", "pip", "install", "--no-deps", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, env=clean_env())
     if r.returncode != 0 and "--no-build-isolation" not in args and (
