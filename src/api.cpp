@@ -259,23 +259,32 @@ void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsVie
   const core::Problem p = core::make_problem(logits, targets, opt);
   if (opt.grad_mode == GradMode::none)
     fail("backward with grad_mode = none: forward computed no gradient");
-  if (opt.grad_mode != GradMode::deferred)
-    fail(std::string("backward(logits, grad, ...) with grad_mode = ") + to_string(opt.grad_mode) +
-         ": the out-of-place backward needs grad_mode = deferred (a fused forward already "
-         "wrote the gradient over the logits; use backward(logits, ...) for it)");
+  // Fused: `grad` holds forward's gradient (Outputs::grad, for grad_output = grad_scale) and the
+  // logits are intact, so the rows that grad_output rescales are recomputed from them, rounded
+  // once, rather than rescaled (which would round them twice).
+  const bool fused = opt.grad_mode == GradMode::fused;
+  if (fused && grad.data != nullptr && grad.data == logits.data)
+    fail(
+        "backward(logits, grad, ...) with grad_mode = fused and grad = logits: the fused "
+        "out-of-place backward recomputes rows of forward's Outputs::grad from the intact "
+        "logits; for a gradient that forward wrote over the logits use backward(logits, ...)");
   core::check_grad(p, logits, grad);
   if (lse == nullptr && p.rows > 0)
-    fail("backward(lse = null) with grad_mode = deferred: pass forward's Outputs::lse");
+    fail(std::string("backward(lse = null) with grad_mode = ") + to_string(opt.grad_mode) +
+         ": pass forward's Outputs::lse");
+  // Forward's gradient is already final: for grad_output = 1 (null) where grad_scale is 1.
+  if (fused && grad_output == nullptr && p.grad_scale == 1.0f) return;
+  const GradRows rows = fused ? GradRows::rescaled : GradRows::all;
   const DeviceScope on_device(group);
   Workspace& ws = group.workspace();
   ws.prepare(p.rows, p.layout.fields, group.size(), stream);
   if (group.backend() == Backend::cpu) {
     cpu::count_valid(p, targets, ws.scalars);
-    cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output);
+    cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, rows);
   } else {
     if (p.rows > 0 && grad.data != logits.data) check_placement(group, opt, grad.data, "grad.data");
     cuda::count_valid(p, targets, ws.scalars, stream);
-    cuda::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, stream);
+    cuda::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, stream, rows);
   }
 }
 

@@ -1,6 +1,7 @@
 // The steps every backend implements; api.cpp drives them in this order:
 //   forward:  stats -> Communicator::all_gather(records) -> finalize [-> gradient (fused)]
-//   backward: gradient (deferred; in place or into a separate buffer) | scale_rows (fused)
+//   backward: gradient (deferred; in place or into a separate buffer) | scale_rows (fused, in
+//             place) | gradient(GradRows::rescaled) (fused, forward's gradient in its own buffer)
 // All pointers live where the backend computes (host for cpu, device for cuda).
 #pragma once
 
@@ -50,6 +51,9 @@ struct Workspace {
 // shard. Group::reserve and forward both ask (src/group.cpp).
 bool exchanges_device_side(const Group& group, const Options& opt);
 
+// Which rows the gradient step writes (see cpu::gradient).
+enum class GradRows { all, rescaled };
+
 namespace cpu {
 void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float* record);
 // Global lse, losses, reduction, accuracy; writes ws.lse-or-out.lse and ws.scalars.
@@ -58,9 +62,14 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
 // out = row_scale * d loss / d x, x read from `in`; row_scale = scalars[kScale] times
 // grad_output (scalar, or per row for Reduction::none; nullptr means 1). `in` and `out` have
 // p's rows and cols, each its own row_stride; out may be in (same data and stride: in place),
-// else they do not overlap.
+// else they do not overlap. GradRows::rescaled (the fused backward out of place): `out` holds
+// forward's gradient (for grad_output = grad_scale) and only the rows whose
+// core::fused_backward_factor is not 1 are written, recomputed from `in` with row_scale =
+// scalars[kScale] times that factor (one rounding, as the deferred backward); the other rows,
+// and ignored ones, are left as they are.
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
-              const float* lse, const float* scalars, const float* grad_output);
+              const float* lse, const float* scalars, const float* grad_output,
+              GradRows rows = GradRows::all);
 // Fused backward: multiplies each row of the gradient by grad_output / grad_scale where that is
 // not 1 (core::fused_backward_factor; grad_output null means 1).
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output);
@@ -78,8 +87,8 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
               const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
               cudaStream_t stream);
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
-              const float* lse, const float* scalars, const float* grad_output,
-              cudaStream_t stream);
+              const float* lse, const float* scalars, const float* grad_output, cudaStream_t stream,
+              GradRows rows = GradRows::all);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
 // exchange_header: the device exchange's header in this rank's peer memory (cuda/exchange.cuh):

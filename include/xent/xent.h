@@ -29,8 +29,9 @@ enum class Backend { cpu, cuda };
 enum class DType { f32, bf16, f16 };
 enum class IndexType { i32, i64 };
 enum class Reduction { none, mean, sum };
-// fused: forward writes the gradient (for grad_output = 1, or Options::grad_scale) into the
-//        logits buffer, and backward only rescales rows where grad_output differs from it.
+// fused: forward writes the gradient (for grad_output = 1, or Options::grad_scale) over the
+//        logits or into Outputs::grad, and backward only revisits rows where grad_output differs
+//        from it: rescaled in place, or recomputed from the intact logits (out of place).
 // deferred: forward leaves the logits untouched; backward reads them once and writes the
 //        gradient once (over the logits, or into a separate buffer), grad_output applied before
 //        the single rounding to the logits' dtype.
@@ -90,10 +91,12 @@ struct Options {
   // every other case does. forward_path() says which one a call takes.
   bool single_pass = true;
   // grad_mode fused: forward writes the gradient for grad_output = grad_scale (e.g. 1 / the
-  // gradient-accumulation steps, or a loss scale) rather than 1, and backward rescales rows by
-  // grad_output / grad_scale where that is not 1. A backward whose grad_output equals grad_scale
-  // (the loss divided by the same number) then reads and writes nothing. Finite and > 0; must be
-  // 1 with the other grad modes, whose backward applies grad_output in its one pass anyway.
+  // gradient-accumulation steps, or a loss scale) rather than 1, and backward revisits only rows
+  // whose grad_output / grad_scale is not 1 (see backward). A backward whose grad_output equals
+  // grad_scale (the loss divided by the same number) then reads and writes nothing. In place it
+  // is also what keeps the gradient rounded once: there a rescaled row is rounded twice. Finite
+  // and > 0; must be 1 with the other grad modes, whose backward applies grad_output in its one
+  // pass anyway.
   float grad_scale = 1.0f;
   // CUDA backend, several ranks: the rows' records exchanged device-side (each rank stores its
   // record of a row into every rank's peer memory: Communicator::peer_memory, an NCCL 2.28
@@ -121,7 +124,8 @@ struct Outputs {
   int64_t* argmax = nullptr;  // [rows] optional: global argmax column (compute_accuracy)
   float* accuracy = nullptr;  // [1] optional: share of non-ignored rows with argmax == target
   // GradMode::fused only, optional: where forward writes the gradient (same dtype and shape as
-  // the logits, its own row stride, not overlapping them); data = null: over the logits.
+  // the logits, its own row stride, not overlapping them); data = null: over the logits. The
+  // out-of-place backward(logits, grad, ...) then applies any grad_output with one rounding.
   LogitsView grad{};
 };
 
@@ -241,19 +245,28 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
 const char* forward_path(const Group& group, LogitsView logits, const Options& opt);
 
 // Backward. grad_output: [1] for mean/sum, [rows] for none (host or device, as the logits).
-// fused: `logits` holds forward's gradient; rows are rescaled by grad_output / grad_scale where
-//        that is not 1 (decided on the device; grad_output null counts as 1). deferred: `logits`
-//        holds the logits; `lse` is forward's Outputs::lse; the gradient overwrites the logits (the
-//        out-of-place backward below with grad = logits). none: throws.
+// fused: `logits` holds forward's gradient (written over the logits); rows are rescaled by
+//        grad_output / grad_scale where that is not 1 (decided on the device; grad_output null
+//        counts as 1). The logits are gone, so such a row is rounded twice (forward's rounding,
+//        then the rescale's): pass the grad_output as Options::grad_scale, or use deferred, or
+//        forward's Outputs::grad and the overload below, for a gradient rounded once. deferred:
+//        `logits` holds the logits; `lse` is forward's Outputs::lse; the gradient overwrites the
+//        logits (the overload below with grad = logits). none: throws.
 void backward(const Group& group, LogitsView logits, TargetsView targets, const float* lse,
               const float* grad_output, const Options& opt, cudaStream_t stream = nullptr);
 
-// Out-of-place backward, GradMode::deferred only (fused and none throw): reads `logits` once and
-// writes the gradient once into `grad`, grad_output applied before the single rounding; the
-// logits are left untouched. `grad` has the logits' dtype, rows and cols, its own row_stride
-// (>= cols; the columns between cols and row_stride are not written), and lives where the logits
-// do. It may alias the logits exactly (same data and row_stride: the in-place backward above);
-// otherwise the address ranges of the two (first to last element) must not intersect.
+// Out-of-place backward: `logits` holds the logits, left untouched; `lse` is forward's
+// Outputs::lse (required). grad_output is applied before the single rounding to the logits' dtype.
+// deferred: reads `logits` once and writes the gradient once into `grad`. It may alias the logits
+//        exactly (same data and row_stride: the in-place backward above).
+// fused: `grad` is forward's Outputs::grad (its gradient for grad_output = grad_scale), not the
+//        logits (an error). Only the rows whose factor grad_output / grad_scale is not exactly 1
+//        are recomputed from the logits into `grad`; the others (and ignored rows) are left as
+//        forward wrote them, so a backward whose grad_output is grad_scale reads grad_output
+//        alone (grad_output null counts as 1), and every row is rounded once whatever it is.
+// none: throws. `grad` has the logits' dtype, rows and cols, its own row_stride (>= cols; the
+// columns between cols and row_stride are not written), and lives where the logits do; unless it
+// aliases them exactly, the address ranges of the two (first to last element) must not intersect.
 void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsView targets,
               const float* lse, const float* grad_output, const Options& opt,
               cudaStream_t stream = nullptr);

@@ -12,7 +12,8 @@ import torch
 def _forward_outputs(logits, reduction, compute_accuracy, grad, with_stats):
     n = logits.shape[0]
     loss = logits.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
-    lse = logits.new_empty((n if with_stats else 0,), dtype=torch.float32)
+    # lse also comes with a new gradient tensor: the fused backward recomputes rows from it.
+    lse = logits.new_empty((n if with_stats or grad else 0,), dtype=torch.float32)
     z_loss = logits.new_empty((n if with_stats else 0,), dtype=torch.float32)
     argmax = logits.new_empty((n if compute_accuracy else 0,), dtype=torch.int64)
     accuracy = logits.new_empty(() if compute_accuracy else (0,), dtype=torch.float32)
@@ -44,6 +45,13 @@ def _backward(logits, target, lse, grad_output, group_name, ignore_index, label_
 @torch.library.register_fake("xent::_backward_inplace")
 def _backward_inplace(logits, target, lse, grad_output, group_name, ignore_index,
                       label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size, grad_scale):
+    return None
+
+
+@torch.library.register_fake("xent::_backward_fused")
+def _backward_fused(grad, logits, target, lse, grad_output, group_name, ignore_index,
+                    label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
+                    grad_scale):
     return None
 
 

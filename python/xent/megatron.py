@@ -36,7 +36,8 @@ _IGNORE_INDEX = -100
 # of tokens and micro-batches, fp16 loss scaling), so grad_output is never 1. "deferred" applies
 # grad_output before its single rounding, as Megatron does (it scales in float32, then casts):
 # 3 passes over the logits and no fp16 underflow of small probabilities ahead of the loss scale.
-# "fused" would round a gradient for grad_output = 1 and rescale it (5 passes, 2 roundings).
+# "fused" (out of place) would write a gradient for grad_output = 1 in forward only to recompute
+# nearly every row in backward: the same single rounding, in 5 passes.
 _GRAD_MODE = "deferred"
 
 

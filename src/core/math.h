@@ -191,6 +191,22 @@ XENT_HD float fused_backward_factor(const float* grad_output, int64_t i, float g
   return (grad_output == nullptr ? 1.0f : grad_output[i]) / grad_scale;
 }
 
+// What the gradient step folds into row i's scale (scalars[kScale]), and whether it writes the
+// row at all. Every row (forward's fused gradient, the deferred backward): grad_output, null
+// meaning 1. Rescaled rows only (the fused backward into forward's own gradient buffer, the
+// logits intact): the row's fused_backward_factor, the row recomputed and rounded once where
+// that is not 1 and left as forward wrote it where it is (kScale holds grad_scale already).
+struct RowFactor {
+  float factor;
+  bool write;
+};
+XENT_HD RowFactor gradient_row_factor(const float* grad_output, int64_t i, float grad_scale,
+                                      bool rescaled_only) {
+  if (!rescaled_only) return {grad_output == nullptr ? 1.0f : grad_output[i], true};
+  const float f = fused_backward_factor(grad_output, i, grad_scale);
+  return {f, f != 1.0f};
+}
+
 // A target is either ignore_index or a real class of the global vocabulary.
 XENT_HD bool target_in_range(int64_t target, int64_t vocab_size) {
   return target >= 0 && target < vocab_size;

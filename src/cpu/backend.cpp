@@ -138,15 +138,17 @@ void finalize(const core::Problem& p, TargetsView targets, const float* gathered
 }
 
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
-              const float* lse, const float* scalars, const float* grad_output) {
+              const float* lse, const float* scalars, const float* grad_output, GradRows rows) {
   const bool avx2 = use_avx2();
   const float scale0 = scalars[Workspace::kScale];
+  const bool rescaled = rows == GradRows::rescaled;
   parallel_rows(p.rows, p.cols, [&](int64_t r0, int64_t r1) {
 #if XENT_CPU_AVX2
-    if (avx2) return avx2::gradient(p, in, out, targets, lse, scale0, grad_output, r0, r1);
+    if (avx2)
+      return avx2::gradient(p, in, out, targets, lse, scale0, grad_output, rescaled, r0, r1);
 #endif
     (void)avx2;
-    generic::gradient(p, in, out, targets, lse, scale0, grad_output, r0, r1);
+    generic::gradient(p, in, out, targets, lse, scale0, grad_output, rescaled, r0, r1);
   });
 }
 

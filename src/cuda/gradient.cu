@@ -2,8 +2,12 @@
 // the fused backward's scaling of finished gradient rows by grad_output / grad_scale.
 //
 // The gradient walks the rows last to first, so that the rows the statistics kernel read last
-// are still in L2 when it starts. scale_rows is a grid-stride loop over at most 4 blocks per SM;
-// each block first reads a scalar grad_output and returns when its factor is 1.
+// are still in L2 when it starts. With GradRows::rescaled (the fused backward out of place) the
+// same kernel recomputes from the logits only the rows whose factor grad_output / grad_scale is
+// not 1; each row's threads read that factor first and return when it is 1, so a backward whose
+// grad_output is grad_scale reads grad_output and no logits. scale_rows is a grid-stride loop over
+// at most 4 blocks per SM; each block first reads a scalar grad_output and returns when its
+// factor is 1.
 #include <cuda_runtime.h>
 
 #include "backend.h"
@@ -21,6 +25,7 @@ struct GradPointers {
   const float* lse;
   const float* scalars;
   const float* grad_output;  // nullptr: 1; per row for Reduction::none
+  bool rescaled_only;        // GradRows::rescaled
 };
 
 template <typename E, int kGroup, bool kCap>
@@ -39,14 +44,15 @@ __global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
   T* dx = static_cast<T*>(out.data) + row * out.row_stride;
   const int n = static_cast<int>(p.cols);
 
+  const core::RowFactor f = core::gradient_row_factor(
+      ptr.grad_output, p.reduction == Reduction::none ? row : 0, p.grad_scale, ptr.rescaled_only);
+  if (!f.write) return;
   const int64_t target = core::load_target(targets.data, targets.type, row);
   if (!has_gradient(p, target)) {
-    Walk::zero(dx, n, t);
+    if (!ptr.rescaled_only) Walk::zero(dx, n, t);  // rescaled: forward zeroed it
     return;
   }
-  const float go =
-      ptr.grad_output == nullptr ? 1.0f : ptr.grad_output[p.reduction == Reduction::none ? row : 0];
-  const GradAgent<E, kCap> grad(p, target, ptr.lse[row], ptr.scalars[Workspace::kScale] * go);
+  const GradAgent<E, kCap> grad(p, target, ptr.lse[row], ptr.scalars[Workspace::kScale] * f.factor);
   Walk::transform(x, dx, n, t, grad);
 }
 
@@ -77,12 +83,12 @@ __global__ void __launch_bounds__(kBlock)
 }  // namespace
 
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
-              const float* lse, const float* scalars, const float* grad_output,
-              cudaStream_t stream) {
+              const float* lse, const float* scalars, const float* grad_output, cudaStream_t stream,
+              GradRows rows) {
   if (p.rows == 0) return;
   check_shape(p, in);
   if (out.data != in.data) check_shape(p, out, "grad");
-  const GradPointers ptr{lse, scalars, grad_output};
+  const GradPointers ptr{lse, scalars, grad_output, rows == GradRows::rescaled};
   core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
     dispatch_group<typename E::type>(p.cols, [&](auto group) {

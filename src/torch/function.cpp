@@ -7,6 +7,8 @@
 // Gradient placement: inplace_grad writes it over the logits (fused: in forward; deferred: in
 // backward); otherwise fused writes it into a new tensor in forward (all GPU work is queued by
 // the forward call, so backward's host latency never stalls the GPU) and deferred in backward.
+// Every gradient is rounded once to the logits' dtype, grad_output included, except fused in
+// place with a scalar grad_output other than grad_scale (the logits are gone: a rescale).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/function.h>
@@ -110,6 +112,17 @@ void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::
           a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
 }
 
+void call_backward_fused(const OpArgs& a, const at::Tensor& grad, const at::Tensor& logits,
+                         const at::Tensor& target, const at::Tensor& lse,
+                         const std::optional<at::Tensor>& grad_output) {
+  using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                   const std::optional<at::Tensor>&, c10::string_view, int64_t, double, double,
+                   double, c10::string_view, int64_t, int64_t, double);
+  static const auto op = op_handle("xent::_backward_fused").typed<Sig>();
+  op.call(grad, logits, target, lse, grad_output, a.group_name, a.ignore_index, a.label_smoothing,
+          a.z_loss, a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
+}
+
 void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tensor& target,
                         const std::optional<at::Tensor>& grad_output) {
   using Sig =
@@ -177,15 +190,17 @@ struct VocabParallelCrossEntropyBackward final : Node {
   OpArgs args;
   bool fused = false, inplace = false;
   bool consumed = false;  // the gradient was finished in place: there is no second backward
-  // The gradient for grad_output = 1 when fused (the logits in place, or forward's new tensor);
-  // else the logits. lse for deferred only.
-  SavedVariable grad_or_logits, target, lse;
+  // logits: the logits (fused in place: holding forward's gradient, for grad_output =
+  // grad_scale). grad: fused out of place, forward's gradient in a new tensor. lse: all but fused
+  // in place (what recomputes a gradient from the logits).
+  SavedVariable logits, grad, target, lse;
 
   std::string name() const override { return "VocabParallelCrossEntropyBackward"; }
 
   void release_variables() override {
     const std::lock_guard<std::mutex> lock(mutex_);
-    grad_or_logits.reset_data();
+    logits.reset_data();
+    grad.reset_data();
     target.reset_data();
     lse.reset_data();
   }
@@ -201,48 +216,68 @@ struct VocabParallelCrossEntropyBackward final : Node {
     // No gradient reached the loss (it was not used): the logits' gradient is zero.
     if (!grads[0].defined()) return {at::Tensor()};
     // Unpacking checks the versions: a later in-place change to a saved tensor fails here.
-    at::Tensor grad = grad_or_logits.unpack().detach();
     const at::Tensor saved_target = target.unpack();
+    const at::Tensor x = logits.unpack().detach();
     const std::optional<at::Tensor> go =
-        grads[0].to(grad.device(), at::kFloat).contiguous().view({-1});
+        grads[0].to(x.device(), at::kFloat).contiguous().view({-1});
+    at::Tensor result;
     {
       // Straight to the kernels: autograd has nothing to do for the internal operators.
       const at::AutoDispatchBelowADInplaceOrView below_autograd;
-      if (fused)
-        call_scale_inplace(args, grad, saved_target, go);
-      else if (inplace)
-        call_backward_inplace(args, grad, saved_target, lse.unpack(), go);
-      else
-        grad = call_backward(args, grad, saved_target, lse.unpack(), go);
+      if (fused && inplace) {
+        result = x;
+        call_scale_inplace(args, result, saved_target, go);
+      } else if (fused) {
+        result = grad.unpack().detach();
+        call_backward_fused(args, result, x, saved_target, lse.unpack(), go);
+      } else if (inplace) {
+        result = x;
+        call_backward_inplace(args, result, saved_target, lse.unpack(), go);
+      } else {
+        result = call_backward(args, x, saved_target, lse.unpack(), go);
+      }
     }
     if (fused || inplace) {
       consumed = true;
-      ::torch::autograd::impl::bump_version(grad);  // shares the saved tensor's version counter
+      ::torch::autograd::impl::bump_version(result);  // shares the saved tensor's version counter
     }
     if (::torch::autograd::GradMode::is_enabled()) {
       // create_graph: the gradient is not itself differentiable; fail if that is ever needed.
-      grad = ::torch::autograd::DelayedError(
-                 "xent: vocab_parallel_cross_entropy is differentiable once only (its gradient "
-                 "has no gradient)",
-                 1)
-                 .apply({grad.detach().requires_grad_()})[0];
+      result = ::torch::autograd::DelayedError(
+                   "xent: vocab_parallel_cross_entropy is differentiable once only (its gradient "
+                   "has no gradient)",
+                   1)
+                   .apply({result.detach().requires_grad_()})[0];
     }
-    return {grad};
+    return {result};
   }
 };
 
 }  // namespace
 
-CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in, const OpArgs& args,
-                       const CrossEntropyOptions& o) {
+CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
+                       const OpArgs& args_in, const CrossEntropyOptions& o_in) {
   check_inputs(logits_in, target_in);
-  parse_reduction(args.reduction);  // a bad name fails here, before any work
-  XENT_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0.0, "grad_scale = ", o.grad_scale,
-             ": must be finite and > 0");
-  XENT_CHECK(o.grad_scale == 1.0 || o.grad_mode != GradMode::deferred,
-             "grad_scale = ", o.grad_scale,
+  parse_reduction(args_in.reduction);  // a bad name fails here, before any work
+  XENT_CHECK(std::isfinite(o_in.grad_scale) && o_in.grad_scale > 0.0,
+             "grad_scale = ", o_in.grad_scale, ": must be finite and > 0");
+  XENT_CHECK(o_in.grad_scale == 1.0 || o_in.grad_mode != GradMode::deferred,
+             "grad_scale = ", o_in.grad_scale,
              " with grad_mode = deferred: grad_scale applies to grad_mode = fused only (deferred "
              "applies grad_output in its one gradient pass; leave grad_scale at 1)");
+  // In place with a per-row grad_output (reduction none), a fused forward's gradient could only
+  // be rescaled row by row in backward (the logits are gone): rounded twice, and 5 passes over
+  // the logits. Deferred applies grad_output before its one rounding, in 3 passes: take it, and
+  // grad_scale (a promise about grad_output that deferred does not need) goes back to 1.
+  CrossEntropyOptions o = o_in;
+  std::optional<OpArgs> deferred_args;  // copied only then (two strings)
+  if (o.inplace_grad && o.grad_mode == GradMode::fused && o.reduction == Reduction::none) {
+    o.grad_mode = GradMode::deferred;
+    o.grad_scale = 1.0;
+    deferred_args = args_in;
+    deferred_args->grad_scale = 1.0;
+  }
+  const OpArgs& args = deferred_args ? *deferred_args : args_in;
   const at::Tensor logits = as_rows(logits_in);
   const at::Tensor target = target_in.dim() == 1 && target_in.is_contiguous()
                                 ? target_in
@@ -258,7 +293,8 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
                "inplace_grad = true but the logits are a view of a leaf tensor that "
                "requires grad: their storage cannot hold the gradient (use inplace_grad = false)");
   }
-  // lse and z_loss as outputs of their own only where asked (the fused loss needs neither).
+  // lse and z_loss as outputs of their own only where asked (the fused loss needs neither; the
+  // fused out-of-place forward returns lse with its gradient, for the backward's recomputation).
   const bool with_stats = o.return_lse || o.return_z_loss;
   const bool fused = autograd && o.grad_mode == GradMode::fused;
   const ForwardMode mode = !fused
@@ -284,10 +320,10 @@ CrossEntropyResult run(const at::Tensor& logits_in, const at::Tensor& target_in,
     node->inplace = o.inplace_grad;
     if (mode == ForwardMode::fused_inplace) ::torch::autograd::impl::bump_version(logits);
     // Saved after the bump: the version check then catches any later in-place change.
-    const at::Tensor& kept = mode == ForwardMode::fused ? grad : logits;
-    node->grad_or_logits = SavedVariable(kept, /*is_output=*/false);
+    node->logits = SavedVariable(logits, /*is_output=*/false);
     node->target = SavedVariable(target, false);
-    if (!fused) node->lse = SavedVariable(lse, false);
+    if (mode == ForwardMode::fused) node->grad = SavedVariable(grad, false);
+    if (mode != ForwardMode::fused_inplace) node->lse = SavedVariable(lse, false);
     ::torch::autograd::set_history(loss, node);
   }
   // Per-row outputs take the target's shape.

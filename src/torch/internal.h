@@ -61,10 +61,11 @@ struct OpArgs {
   "str group_name, int ignore_index, float label_smoothing, float z_loss, float softcap, str " \
   "reduction, int vocab_start, int vocab_size, float grad_scale"
 
-// (loss, lse, z_loss, argmax, accuracy, grad): loss [rows] for reduction "none", else []; lse and
-// z_loss [rows] with with_stats, else both [0]; argmax [rows] and accuracy [] with
-// compute_accuracy, else both [0]; grad the gradient [rows, cols] (contiguous) where _forward
-// wrote one (with_grad), else [0].
+// (loss, lse, z_loss, argmax, accuracy, grad): loss [rows] for reduction "none", else []; lse
+// [rows] with with_stats or where _forward wrote a gradient (with_grad: the fused backward
+// recomputes rows from it), else [0]; z_loss [rows] with with_stats, else [0]; argmax [rows] and
+// accuracy [] with compute_accuracy, else both [0]; grad the gradient [rows, cols] (contiguous)
+// where _forward wrote one (with_grad), else [0].
 using ForwardOut =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -84,6 +85,11 @@ void call_backward_inplace(const OpArgs& a, const at::Tensor& logits, const at::
                            const at::Tensor& lse, const std::optional<at::Tensor>& grad_output);
 void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tensor& target,
                         const std::optional<at::Tensor>& grad_output);
+// The fused backward out of place: `grad` is _forward's gradient (for grad_output = grad_scale);
+// the rows whose grad_output is not grad_scale are recomputed into it from the intact logits.
+void call_backward_fused(const OpArgs& a, const at::Tensor& grad, const at::Tensor& logits,
+                         const at::Tensor& target, const at::Tensor& lse,
+                         const std::optional<at::Tensor>& grad_output);
 
 // The process group registered under `name` in c10d ("" gives null: one rank).
 c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name);

@@ -5,9 +5,9 @@
 // Public: vocab_parallel_cross_entropy and vocab_parallel_cross_entropy_stats, CompositeImplicit-
 // Autograd: they check, flatten the leading dimensions and attach the autograd node
 // (function.cpp), which calls the internal operators _forward, _forward_inplace, _backward,
-// _backward_inplace and _scale_inplace (ops.cpp: CPU and CUDA kernels; fake kernels for
-// torch.compile in python/xent/_fake.py). check_errors(group_name, device) syncs and reports
-// out-of-range targets.
+// _backward_inplace, _backward_fused and _scale_inplace (ops.cpp: CPU and CUDA kernels; fake
+// kernels for torch.compile in python/xent/_fake.py). check_errors(group_name, device) syncs and
+// reports out-of-range targets.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
@@ -106,6 +106,9 @@ TORCH_LIBRARY(xent, m) {
       "grad_output, " XENT_OP_ARGS_SCHEMA ") -> ()");
   m.def("_scale_inplace(Tensor(a!) grad, Tensor target, Tensor? grad_output, " XENT_OP_ARGS_SCHEMA
         ") -> ()");
+  m.def(
+      "_backward_fused(Tensor(a!) grad, Tensor logits, Tensor target, Tensor lse, Tensor? "
+      "grad_output, " XENT_OP_ARGS_SCHEMA ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(xent, CompositeImplicitAutograd, m) {

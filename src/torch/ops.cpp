@@ -1,7 +1,8 @@
 // The kernels of the internal operators torch.ops.xent._forward, _forward_inplace, _backward,
-// _backward_inplace and _scale_inplace (schemas in op.cpp): each one call into the core on 2-D
-// logits and 1-D targets, outputs allocated with torch on the logits' device, the current CUDA
-// stream. The callers (function.cpp) have checked shapes and types; the core checks the rest.
+// _backward_inplace, _backward_fused and _scale_inplace (schemas in op.cpp): each one call into
+// the core on 2-D logits and 1-D targets, outputs allocated with torch on the logits' device,
+// the current CUDA stream. The callers (function.cpp) have checked shapes and types; the core
+// checks the rest.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
@@ -77,8 +78,9 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go) {
   return go->data_ptr<float>();
 }
 
-// The forward. Inplace: the gradient (for grad_output = 1) over the logits. Otherwise, with_grad:
-// the gradient into a new contiguous tensor (the last output); neither: the logits only read.
+// The forward. Inplace: the gradient (for grad_output = grad_scale) over the logits. Otherwise,
+// with_grad: the gradient into a new contiguous tensor (the last output), and lse (which the core
+// computes anyway) for the backward that recomputes rows; neither: the logits only read.
 template <bool Inplace>
 ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
                           c10::string_view group_name, int64_t ignore_index, double label_smoothing,
@@ -103,10 +105,12 @@ ForwardOut forward_kernel(const at::Tensor& logits, const at::Tensor& target,
     loss = s.opt.reduction == Reduction::none ? at::empty({n}, f32) : at::empty({}, f32);
     Outputs out;
     out.loss = loss.data_ptr<float>();
-    if (with_stats) {
+    if (with_stats || (!Inplace && with_grad)) {
       lse = at::empty({n}, f32);
-      zl = at::empty({n}, f32);
       out.lse = lse.data_ptr<float>();
+    }
+    if (with_stats) {
+      zl = at::empty({n}, f32);
       out.z_loss = zl.data_ptr<float>();
     }
     if (compute_accuracy) {
@@ -154,28 +158,23 @@ ForwardOut forward_inplace_op(const at::Tensor& logits, const at::Tensor& target
                               compute_accuracy, true, with_stats);
 }
 
-// Deferred backward: into a new contiguous tensor, or (Inplace) over the logits.
-template <bool Inplace>
-at::Tensor backward_kernel(const at::Tensor& logits, const at::Tensor& target,
-                           const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
-                           c10::string_view group_name, int64_t ignore_index,
-                           double label_smoothing, double z_loss, double softcap,
-                           c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
-                           double grad_scale) {
+// The core's out-of-place backward into `grad`. deferred: a new tensor, or the logits themselves
+// (in place); fused: forward's gradient, whose rows with grad_output != grad_scale it recomputes.
+void backward_into(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& target,
+                   const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
+                   const OpArgs& a, GradMode mode) {
   const at::Device device = logits.device();
   const at::OptionalDeviceGuard guard(device);
-  CrossEntropyOptions o = options_of(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                                     reduction, vocab_start, vocab_size, grad_scale);
-  o.grad_mode = GradMode::deferred;
+  CrossEntropyOptions o = a.options();
+  o.grad_mode = mode;
   const at::Tensor go = grad_output.value_or(at::Tensor());
-  const Setup s = setup_for_tensors(group_name, device, logits.size(1), {&target, &lse, &go}, o);
+  const Setup s =
+      setup_for_tensors(a.group_name, device, logits.size(1), {&grad, &target, &lse, &go}, o);
   const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
-  at::Tensor grad = Inplace ? logits : at::empty_like(logits, at::MemoryFormat::Contiguous);
   core_call([&] {
     xent::backward(s.group, view_of(logits), view_of(grad), view_of_targets(target), lse_ptr,
                    grad_output_ptr(grad_output), s.opt, stream_of(device));
   });
-  return grad;
 }
 
 at::Tensor backward_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
@@ -183,9 +182,12 @@ at::Tensor backward_op(const at::Tensor& logits, const at::Tensor& target, const
                        int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
                        c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
                        double grad_scale) {
-  return backward_kernel<false>(logits, target, lse, grad_output, group_name, ignore_index,
-                                label_smoothing, z_loss, softcap, reduction, vocab_start,
-                                vocab_size, grad_scale);
+  const at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  backward_into(grad, logits, target, lse, grad_output,
+                OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                           vocab_start, vocab_size, grad_scale),
+                GradMode::deferred);
+  return grad;
 }
 
 void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& lse,
@@ -193,12 +195,28 @@ void backward_inplace_op(const at::Tensor& logits, const at::Tensor& target, con
                          int64_t ignore_index, double label_smoothing, double z_loss,
                          double softcap, c10::string_view reduction, int64_t vocab_start,
                          int64_t vocab_size, double grad_scale) {
-  backward_kernel<true>(logits, target, lse, grad_output, group_name, ignore_index, label_smoothing,
-                        z_loss, softcap, reduction, vocab_start, vocab_size, grad_scale);
+  backward_into(logits, logits, target, lse, grad_output,
+                OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                           vocab_start, vocab_size, grad_scale),
+                GradMode::deferred);
 }
 
-// Fused backward: the gradient is already in `grad`, for grad_output = grad_scale; scale its rows
-// by grad_output / grad_scale (the kernel skips rows whose factor is 1).
+// Fused backward out of place: `grad` is forward's gradient (for grad_output = grad_scale), the
+// logits intact; rows whose grad_output is not grad_scale are recomputed, rounded once.
+void backward_fused_op(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& target,
+                       const at::Tensor& lse, const std::optional<at::Tensor>& grad_output,
+                       c10::string_view group_name, int64_t ignore_index, double label_smoothing,
+                       double z_loss, double softcap, c10::string_view reduction,
+                       int64_t vocab_start, int64_t vocab_size, double grad_scale) {
+  backward_into(grad, logits, target, lse, grad_output,
+                OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                           vocab_start, vocab_size, grad_scale),
+                GradMode::fused);
+}
+
+// Fused backward in place: the gradient is already in `grad` (over the logits, which are gone),
+// for grad_output = grad_scale; scale its rows by grad_output / grad_scale (the kernel skips rows
+// whose factor is 1). A rescaled row is rounded twice.
 void scale_inplace_op(const at::Tensor& grad, const at::Tensor& target,
                       const std::optional<at::Tensor>& grad_output, c10::string_view group_name,
                       int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
@@ -224,6 +242,7 @@ void register_kernels(::torch::Library& m) {
   m.impl("_forward_inplace", &forward_inplace_op);
   m.impl("_backward", &backward_op);
   m.impl("_backward_inplace", &backward_inplace_op);
+  m.impl("_backward_fused", &backward_fused_op);
   m.impl("_scale_inplace", &scale_inplace_op);
 }
 

@@ -17,6 +17,7 @@ Run (from the repository root, with the library built):
         python3 -m pytest -q tests/python
 """
 
+import math
 import os
 import pathlib
 import subprocess
@@ -39,9 +40,19 @@ IGNORE = -100
 LOSS_RTOL = 1e-5  # the loss is float32 whatever the logits' dtype
 
 
-def grad_rtol(dtype):
-    """Gradient tolerance, relative to the reference's largest magnitude: rounded to the dtype."""
-    return 2e-2 if dtype == torch.bfloat16 else 1e-5
+def grad_rtol(dtype, rounded_twice=False):
+    """Gradient tolerance, relative to the reference's largest magnitude: rounded once to the
+    dtype (half an ulp, at most 2^-8 relative for bfloat16), or, where rounded_twice says, twice
+    (up to 1.75 ulps)."""
+    return (1.6e-2 if rounded_twice else 8e-3) if dtype == torch.bfloat16 else 1e-5
+
+
+def rounded_twice(grad_mode, inplace_grad, reduction, grad_output, grad_scale=1.0):
+    """Whether the gradient is rounded twice (docs/torch.md): fused in place with a mean or sum
+    loss whose grad_output / grad_scale is not a power of two (a rescale that is not exact)."""
+    if grad_mode != "fused" or not inplace_grad or reduction == "none":
+        return False
+    return math.frexp(abs(float(grad_output) / grad_scale))[0] != 0.5
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -300,7 +311,8 @@ def test_loss_and_gradient_match_torch(device, dtype, layout, reduction, label_s
     assert loss.shape == (target.shape if reduction == "none" else ())
     assert_close(loss, want_loss, LOSS_RTOL, "loss")
     loss.backward(grad_output)
-    assert_close(source.grad, want_grad, grad_rtol(dtype), "gradient")
+    twice = rounded_twice(grad_mode, inplace_grad, reduction, grad_output)
+    assert_close(source.grad, want_grad, grad_rtol(dtype, twice), "gradient")
     if not inplace_grad:
         assert logits._version == version, "the logits' version changed without inplace_grad"
         assert torch.equal(source.detach(), before), "the logits changed without inplace_grad"
@@ -325,7 +337,8 @@ def test_grad_scale_any_grad_output_matches_torch(device, dtype, reduction, inpl
                                              inplace_grad=inplace_grad, grad_scale=0.125)
     assert_close(loss, want_loss, LOSS_RTOL, "loss")
     loss.backward(grad_output)
-    assert_close(source.grad, want_grad, grad_rtol(dtype), "gradient")
+    twice = rounded_twice("fused", inplace_grad, reduction, grad_output, 0.125)
+    assert_close(source.grad, want_grad, grad_rtol(dtype, twice), "gradient")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -267,10 +267,11 @@ TEST(TorchAutograd, SecondBackward) {
 
 TEST(TorchAutograd, NotInPlaceNeverWritesNorCopiesTheLogits) {
   // inplace_grad = false, either mode: the gradient goes into a new contiguous tensor (fused: in
-  // forward, then rescaled by grad_output in backward; deferred: in backward, reading the logits
-  // once). The logits stay bit for bit, their version counter never moves (nothing wrote them),
-  // and the gradient is bitwise the in-place one of the same mode (no copy of the logits took
-  // part: the same kernels, the same roundings).
+  // forward, its rows then recomputed from the logits in backward, grad_output 0.3 not being
+  // grad_scale; deferred: in backward, reading the logits once). The logits stay bit for bit,
+  // their version counter never moves (nothing wrote them), and the gradient is bitwise the
+  // in-place deferred one (no copy of the logits took part: the same kernels, the same one
+  // rounding; fused in place would rescale forward's rounded gradient instead).
   std::vector<at::Device> devices{at::Device(at::kCPU)};
   if (have_gpu()) devices.emplace_back(at::kCUDA, 0);
   for (const at::Device& dev : devices) {
@@ -301,12 +302,13 @@ TEST(TorchAutograd, NotInPlaceNeverWritesNorCopiesTheLogits) {
                             w0.slice(1, 61, 67).view(at::kShort)))
           << "the row gap was written";
 
-      // The in-place gradient of the same mode on a copy of the same logits: the same bits.
+      // The in-place deferred gradient on a copy of the same logits: the same bits.
       // (Taken for the wide tensor: a fused in-place forward writes over the view, and autograd
       // then gives the view a new grad_fn, which is not in the loss's graph.)
       const at::Tensor wide_i = w0.clone().requires_grad_() * 1.0;
       const at::Tensor xi = wide_i.slice(1, 0, 61);
       CrossEntropyOptions oi = o;
+      oi.grad_mode = xent::GradMode::deferred;
       oi.inplace_grad = true;
       const at::Tensor li = vocab_parallel_cross_entropy(xi, y, kNoGroup, oi).loss;
       const at::Tensor gi = ::torch::autograd::grad({li * 0.3}, {wide_i})[0].slice(1, 0, 61);
@@ -353,7 +355,7 @@ TEST(TorchAutograd, GradientOutputScalesAndNoneReduction) {
            .sum()},
       {xr})[0];
   // fused also with grad_scale: a promise about grad_output that does not hold here (w varies by
-  // row), so backward rescales by w / grad_scale, exactly as without it.
+  // row), so backward recomputes the rows from the logits, exactly as without it.
   const std::pair<xent::GradMode, double> modes[] = {
       {xent::GradMode::fused, 1.0}, {xent::GradMode::fused, 0.3}, {xent::GradMode::deferred, 1.0}};
   for (const auto& [mode, grad_scale] : modes) {
