@@ -10,7 +10,7 @@ logs=${XENT_LOGS:-$root/gpu-logs}
 mkdir -p "$logs"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 status=0
-subset=CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.OutOfPlaceBackwardMatchesCpu:CudaBackend.FinalizeBlocksReuseOneGroup:CudaReference.*:SinglePass.*:DeviceExchange.OneRankSelfExchange:CudaImage.*:CudaFusedBackward.*
+subset=CudaBackend.Options:CudaBackend.EmptyBatch:CudaBackend.BadTargetIsReported:CudaBackend.GraphCaptureMatchesEager:CudaBackend.OutOfPlaceBackwardMatchesCpu:CudaBackend.FinalizeBlocksReuseOneGroup:CudaReference.*:SinglePass.*:DeviceExchange.OneRankSelfExchange:CudaImage.*:CudaBackend.FusedBackward*
 for tool in memcheck racecheck; do
   filter=${XENT_SANITIZE_FILTER:-$subset}
   # TwoRanksMatchCpu runs two ranks as host threads that wait for each other: under racecheck,
