@@ -14,6 +14,10 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 logs_root=${XENT_LOGS:-$root/gpu-logs}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# The sm_80 build runs on newer GPUs from PTX that the driver compiles on each kernel's first
+# use (on an H100 the device exchange's test took over 150 s the first time, 39 s once cached):
+# a cache that holds all of it.
+export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 ngpu=$(nvidia-smi -L | wc -l)
 echo "== $ngpu GPU(s), compute capability $(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1)"
 nvidia-smi -L
