@@ -19,6 +19,7 @@ xent_missing_packages() {
   [ -e /usr/include/yaml-cpp/yaml.h ] || missing+=(libyaml-cpp-dev)
   [ -e /usr/include/nlohmann/json.hpp ] || missing+=(nlohmann-json3-dev)
   [ -e /usr/include/CLI/CLI.hpp ] || missing+=(libcli11-dev)
+  compgen -G "/usr/lib/*/libopenblas.so" >/dev/null || missing+=(libopenblas-dev)
   echo "${missing[@]}"
 }
 
@@ -36,7 +37,7 @@ xent_install_deps() {
       return 1
     fi
   else
-    xent_say "build dependencies present (cmake, g++, Open MPI, GoogleTest, yaml-cpp, nlohmann-json, CLI11)"
+    xent_say "build dependencies present (cmake, g++, Open MPI, GoogleTest, yaml-cpp, nlohmann-json, CLI11, OpenBLAS)"
   fi
   if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     xent_say "the CUDA toolkit (nvcc, with NCCL) is required: install CUDA 12.4+ from NVIDIA"

@@ -5,6 +5,8 @@
 // All pointers live where the backend computes (host for cpu, device for cuda).
 #pragma once
 
+#include <memory>
+
 #include "core/problem.h"
 #include "xent/xent.h"
 
@@ -34,6 +36,10 @@ struct Workspace {
   static constexpr int kScalars = 8;
   static constexpr int kPartials = 256;  // at most this many finalize blocks
 
+  // The fused lm head's scratch (src/linear/: its chunk buffers, each backend's own type), grown
+  // by it and freed with the group.
+  std::shared_ptr<void> linear;
+
   Workspace() = default;
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
@@ -59,6 +65,16 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 // Global lse, losses, reduction, accuracy; writes ws.lse-or-out.lse and ws.scalars.
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars);
+// What finalize sums over the rows before the reduction: the loss of the valid rows in row
+// order, in double, and the counts.
+struct Totals {
+  double loss = 0.0;
+  int64_t valid = 0, correct = 0;
+};
+// finalize's per-row part for rows [r0, r1) (lse and the per-row outputs), added to `totals` row
+// by row in order; the fused lm head finalizes its chunks so and reduces once at the end.
+void finalize_rows(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
+                   int64_t r0, int64_t r1, const Outputs& out, float* lse, Totals& totals);
 // out = row_scale * d loss / d x, x read from `in`; row_scale = scalars[kScale] times
 // grad_output (scalar, or per row for Reduction::none; nullptr means 1). `in` and `out` have
 // p's rows and cols, each its own row_stride; out may be in (same data and stride: in place),

@@ -119,22 +119,26 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
   });
 }
 
-void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
-              const Outputs& out, float* lse, float* scalars) {
-  double total = 0.0;  // rows in order, in double as the CUDA backend's (finalize_totals)
-  int64_t valid = 0, correct = 0;
-  for (int64_t r = 0; r < p.rows; ++r) {
+void finalize_rows(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
+                   int64_t r0, int64_t r1, const Outputs& out, float* lse, Totals& totals) {
+  for (int64_t r = r0; r < r1; ++r) {
     const core::RowTotal t =
         core::finalize_row(p, targets.data, targets.type, gathered, ranks, r, out, lse);
     if (t.valid) {
-      total += t.loss;
-      ++valid;
-      correct += t.correct ? 1 : 0;
+      totals.loss += t.loss;  // rows in order, in double as the CUDA backend's (finalize_totals)
+      ++totals.valid;
+      totals.correct += t.correct ? 1 : 0;
     }
   }
-  scalars[Workspace::kScale] =
-      core::finalize_totals(p, total, static_cast<float>(valid), static_cast<float>(correct), out);
-  scalars[Workspace::kValid] = static_cast<float>(valid);
+}
+
+void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
+              const Outputs& out, float* lse, float* scalars) {
+  Totals t;
+  finalize_rows(p, targets, gathered, ranks, 0, p.rows, out, lse, t);
+  scalars[Workspace::kScale] = core::finalize_totals(p, t.loss, static_cast<float>(t.valid),
+                                                     static_cast<float>(t.correct), out);
+  scalars[Workspace::kValid] = static_cast<float>(t.valid);
 }
 
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,

@@ -1,0 +1,26 @@
+// fp32 host matrices for the CPU backend's fused lm head: the one GEMM (CBLAS where the build
+// found one, XENT_HAVE_CBLAS; else a plain loop, correct and slow) and the conversions between a
+// MatrixView of any dtype and fp32. The CUDA backend's twins will be cuBLASLt and its kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "xent/linear.h"
+
+namespace xent::linear::host {
+
+// C = op(A) op(B) + beta C, row-major fp32 with leading dimensions (elements): op(A) is [m, k]
+// (A stored [k, m] when trans_a), op(B) is [k, n] (B stored [n, k] when trans_b), C is [m, n].
+// beta 0: C is written without being read (NaN there included).
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// Rows [r0, r0 + rows) of v widened to fp32 into dst (rows x v.cols, contiguous).
+void to_f32(MatrixView v, int64_t r0, int64_t rows, float* dst);
+// src (rows x dst.cols, leading dimension ld) rounded once to dst's dtype into dst's rows
+// [r0, r0 + rows).
+void store(const float* src, int64_t ld, MatrixView dst, int64_t r0, int64_t rows);
+// Rows [r0, r0 + rows) of v set to +0 (all bits clear, in every dtype).
+void zero_rows(MatrixView v, int64_t r0, int64_t rows);
+
+}  // namespace xent::linear::host

@@ -1,0 +1,213 @@
+#include "linear/check.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/math.h"
+#include "error.h"
+
+namespace xent::linear {
+
+namespace {
+
+using std::to_string;
+
+// A view's own rules: rows >= 0, cols >= 1, row_stride >= cols, data where there are rows.
+void check_view(const std::string& name, MatrixView v) {
+  if (v.rows < 0) fail(name + ".rows = " + to_string(v.rows) + ": must be >= 0");
+  if (v.cols < 1) fail(name + ".cols = " + to_string(v.cols) + ": must be >= 1");
+  if (v.row_stride < v.cols)
+    fail(name + ".row_stride = " + to_string(v.row_stride) + ": must be >= " + name +
+         ".cols = " + to_string(v.cols));
+  if (v.rows > 0 && v.data == nullptr)
+    fail(name + ".data is null with " + name + ".rows = " + to_string(v.rows));
+}
+
+// A gradient output: `of`'s shape, and `of`'s dtype or f32.
+void check_gradient(const std::string& name, MatrixView g, const std::string& of_name,
+                    MatrixView of) {
+  check_view(name, g);
+  if (g.rows != of.rows)
+    fail(name + ".rows = " + to_string(g.rows) + ": must equal " + of_name +
+         ".rows = " + to_string(of.rows));
+  if (g.cols != of.cols)
+    fail(name + ".cols = " + to_string(g.cols) + ": must equal " + of_name +
+         ".cols = " + to_string(of.cols));
+  if (g.dtype != of.dtype && g.dtype != DType::f32)
+    fail(name + ".dtype = " + to_string(g.dtype) + ": must be " + of_name + "'s (" +
+         to_string(of.dtype) + ") or f32");
+}
+
+void check_outputs(Pass pass, const Call& c, const Options& opt, const LinearOptions& lopt,
+                   const float* lse) {
+  const LinearOutputs& out = c.out;
+  const bool dh = out.d_hidden.data != nullptr, dw = out.d_weight.data != nullptr;
+  const char* mode = to_string(opt.grad_mode);
+  if (pass == Pass::forward) {
+    Outputs o;  // the logits path's rules of the loss, lse and accuracy outputs
+    o.loss = out.loss;
+    o.lse = out.lse;
+    o.argmax = out.argmax;
+    o.accuracy = out.accuracy;
+    core::check_outputs(c.p, opt, o);
+    if (opt.grad_mode != GradMode::fused && (dh || dw))
+      fail(
+          std::string("out.") + (dh ? "d_hidden" : "d_weight") + " is set with grad_mode = " +
+          mode + ": linear_forward computes the gradients only with grad_mode = fused" +
+          (opt.grad_mode == GradMode::deferred ? " (deferred: pass them to linear_backward)" : ""));
+  } else {
+    if (opt.grad_mode == GradMode::fused)
+      fail(
+          "linear_backward with grad_mode = fused: linear_forward computed d_hidden and d_weight "
+          "already (for grad_output = grad_scale); linear_backward is for grad_mode = deferred");
+    if (opt.grad_mode == GradMode::none)
+      fail("linear_backward with grad_mode = none: forward computed no gradient");
+    if (lse == nullptr && c.p.rows > 0) fail("linear_backward(lse = null): pass forward's lse");
+  }
+  if (c.gradients && !dh && !dw)
+    fail(std::string(pass == Pass::forward ? "linear_forward with grad_mode = fused"
+                                           : "linear_backward") +
+         ": out.d_hidden and out.d_weight are both null; set one" +
+         (pass == Pass::forward ? " (or use grad_mode = none)" : ""));
+  if (dh) check_gradient("out.d_hidden", out.d_hidden, "hidden", c.hidden);
+  if (dw) check_gradient("out.d_weight", out.d_weight, "weight", c.weight);
+  if (dw && lopt.accumulate_d_weight && out.d_weight.dtype != DType::f32)
+    fail("out.d_weight.dtype = " + std::string(to_string(out.d_weight.dtype)) +
+         " with accumulate_d_weight: the accumulation buffer must be f32");
+}
+
+}  // namespace
+
+Call check_call(Pass pass, MatrixView hidden, MatrixView weight, TargetsView targets,
+                const Options& opt, const LinearOptions& lopt, const LinearOutputs& out,
+                const float* lse) {
+  check_view("hidden", hidden);
+  check_view("weight", weight);
+  if (weight.rows < 1)
+    fail("weight.rows = " + to_string(weight.rows) +
+         ": must be >= 1 (this rank's columns of the vocabulary)");
+  if (weight.cols != hidden.cols)
+    fail("weight.cols = " + to_string(weight.cols) +
+         ": must equal hidden.cols = " + to_string(hidden.cols) + " (the hidden size)");
+  if (targets.rows != hidden.rows)
+    fail("targets.rows = " + to_string(targets.rows) +
+         ": must equal hidden.rows = " + to_string(hidden.rows));
+  if (targets.rows > 0 && targets.data == nullptr)
+    fail("targets.data is null with targets.rows = " + to_string(targets.rows));
+  check_options(lopt);
+  Call c;
+  // The options' rules and constants, as for a logits shard of the weight's rows (a view of no
+  // rows: the checks need no data).
+  const LogitsView shape{nullptr, DType::f32, 0, weight.rows, weight.rows};
+  c.p = core::make_problem(shape, TargetsView{nullptr, targets.type, 0}, opt);
+  c.p.rows = hidden.rows;
+  c.hidden = hidden;
+  c.weight = weight;
+  c.targets = targets;
+  c.out = out;
+  c.sequence_parallel = lopt.sequence_parallel;
+  c.accumulate_d_weight = lopt.accumulate_d_weight;
+  c.gradients = pass == Pass::backward || opt.grad_mode == GradMode::fused;
+  check_outputs(pass, c, opt, lopt, lse);
+  return c;
+}
+
+namespace {
+
+// What every rank sends: the logits path's header (layout, rows, options, targets) and the
+// lm head's own fields.
+struct Header {
+  core::LayoutHeader layout;
+  int64_t rows = 0;  // layout.rows, compared first with the lm head's own message
+  int64_t sequence_parallel = 0;
+  int64_t hidden_cols = 0;
+  int64_t hidden_dtype = 0;
+  int64_t chunk_rows = 0;
+  int64_t max_chunk_bytes = 0;
+  int64_t d_hidden = 0;  // computed here: it is summed over the ranks
+  int64_t valid_rows = 0;
+};
+
+// Fails on every rank alike where a field differs from rank 0's.
+void expect_same(const std::vector<Header>& all, int64_t Header::*field, const std::string& name,
+                 const std::string& rule, std::string (*show)(int64_t)) {
+  for (size_t k = 1; k < all.size(); ++k)
+    if (all[k].*field != all[0].*field)
+      fail(name + " = " + show(all[k].*field) + " on rank " + to_string(k) + " but " +
+           show(all[0].*field) + " on rank 0: " + rule);
+}
+
+std::string show_int(int64_t v) {
+  return to_string(v);
+}
+std::string show_bool(int64_t v) {
+  return v ? "true" : "false";
+}
+std::string show_dtype(int64_t v) {
+  return to_string(static_cast<DType>(v));
+}
+
+}  // namespace
+
+Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt) {
+  const core::Problem& p = call.p;
+  Header mine;
+  mine.layout = core::make_header(p, opt, call.hidden.dtype);
+  // With sequence parallelism each rank holds its own targets: only their range is compared.
+  if (!call.sequence_parallel) mine.layout.targets_hash = core::hash_targets(p, call.targets);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t y = core::load_target(call.targets.data, call.targets.type, r);
+    if (y == p.ignore_index) continue;
+    ++mine.valid_rows;
+    if (mine.layout.bad_row < 0 && !core::target_in_range(y, p.vocab_size)) {
+      mine.layout.bad_row = r;
+      mine.layout.bad_target = y;
+    }
+  }
+  mine.rows = p.rows;
+  mine.sequence_parallel = call.sequence_parallel ? 1 : 0;
+  mine.hidden_cols = call.hidden.cols;
+  mine.hidden_dtype = static_cast<int64_t>(call.hidden.dtype);
+  mine.chunk_rows = lopt.chunk_rows;
+  mine.max_chunk_bytes = static_cast<int64_t>(lopt.max_chunk_bytes);
+  mine.d_hidden = call.gradients && call.out.d_hidden.data != nullptr ? 1 : 0;
+
+  const int ranks = group.size();
+  std::vector<Header> all(ranks);
+  group.comm().all_gather(&mine, all.data(), sizeof mine, nullptr);
+
+  expect_same(all, &Header::sequence_parallel, "LinearOptions::sequence_parallel",
+              "every rank must pass the same", show_bool);
+  expect_same(all, &Header::rows, "hidden.rows",
+              call.sequence_parallel
+                  ? "with sequence_parallel every rank must hold the same number of rows"
+                  : "without sequence_parallel every rank holds the same hidden states",
+              show_int);
+  expect_same(all, &Header::hidden_cols, "hidden.cols",
+              "every rank must pass hidden states of the same width", show_int);
+  expect_same(all, &Header::hidden_dtype, "hidden.dtype",
+              "every rank must pass hidden states of the same dtype", show_dtype);
+  expect_same(all, &Header::chunk_rows, "LinearOptions::chunk_rows",
+              "every rank must make the same chunks", show_int);
+  expect_same(all, &Header::max_chunk_bytes, "LinearOptions::max_chunk_bytes",
+              "every rank must make the same chunks", show_int);
+  expect_same(all, &Header::d_hidden, "out.d_hidden set",
+              "d_hidden is summed over the ranks: every rank computes it, or none does", show_bool);
+  std::vector<core::LayoutHeader> layouts(ranks);
+  for (int k = 0; k < ranks; ++k) layouts[k] = all[k].layout;
+  core::check_headers(layouts.data(), ranks, /*check_tiling=*/true);
+
+  Agreed a;
+  int64_t widest = 0;
+  for (const Header& h : all) {
+    widest = std::max(widest, h.layout.width);
+    if (call.sequence_parallel) a.valid_rows += h.valid_rows;
+  }
+  if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
+  a.plan = plan_chunks(lopt, p.rows, ranks, widest);
+  return a;
+}
+
+}  // namespace xent::linear

@@ -1,0 +1,35 @@
+// The chunk plan of the fused lm head, one for every backend (docs/linear.md): how many of this
+// rank's rows of hidden each chunk takes, and how many chunks there are. Every rank must make the
+// same chunks (each is a collective), so the plan reads only what the ranks agree on: the rows,
+// the options and the widest rank's shard.
+#pragma once
+
+#include <cstdint>
+
+#include "xent/linear.h"
+
+namespace xent::linear {
+
+struct ChunkPlan {
+  int64_t rows = 0;    // this rank's rows per chunk (the last chunk may have fewer)
+  int64_t chunks = 0;  // ceil(this rank's rows / rows); 0 when there are none
+  int64_t ranks = 1;   // ranks whose rows a chunk holds: the group's with sequence_parallel, else 1
+
+  int64_t first(int64_t chunk) const { return chunk * rows; }
+  // This rank's rows in `chunk` of a rank holding `total` rows.
+  int64_t count(int64_t chunk, int64_t total) const {
+    const int64_t left = total - first(chunk);
+    return left < rows ? left : rows;
+  }
+  // Rows of logits of the largest chunk (what the backends' buffers hold).
+  int64_t logits_rows() const { return rows * ranks; }
+};
+
+// Throws xent::Error naming the argument, its value and the rule (before any collective).
+void check_options(const LinearOptions& lopt);
+
+// `rows`: this rank's rows of hidden (the same on every rank); `ranks`: the group's size;
+// `widest`: the most columns of any rank's shard. Throws where max_chunk_bytes holds no row.
+ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest);
+
+}  // namespace xent::linear

@@ -1,0 +1,280 @@
+// The fused lm head's float64 reference and the runner that checks one rank's call against it,
+// shared by tests/test_linear.cpp (one rank) and dist_tests/test_dist_linear.cpp (2 to 4 ranks,
+// with and without sequence parallelism).
+//
+// The reference: logits = hidden @ weight^T in double over the real vocabulary (rows of the
+// weight past vocab_size never enter), reference() of reference.h on them (loss, lse, the
+// gradient dL/dlogits times grad_output), then d_hidden = grad @ weight and d_weight = grad^T @
+// hidden in double. None of the library's code is used.
+#pragma once
+
+#include <xent/linear.h>
+
+#include "harness.h"
+
+namespace xtest {
+
+// ------------------------------------------------------------------------------------------
+// Tolerances of d_hidden and d_weight
+//
+// Each element is a sum of products, d_hidden[i][h] = sum_j g_ij w_jh (over the shard's real
+// columns, then over the ranks) and d_weight[j][h] = sum_i g_ij x_ih (over the rows), and its
+// magnitude is the sum of the absolute values of those products (computed by the reference).
+// The library's error, relative to that magnitude, comes from
+//   - the fp32 GEMM of the logits (a sum over H): an error of about sqrt(H) 2^-24 relative to
+//     sum_h |x_ih w_jh| in z_ij, which moves g_ij by about g_ij times that (softmax), a few 1e-7
+//     with these inputs (|z| of a few units);
+//   - the fp32 gradient itself (exp, lse: a few ulp, tolerances.h);
+//   - the fp32 GEMMs of d_hidden and d_weight (a sum over V or over N, at most 300 terms here):
+//     about sqrt(terms) 2^-24, a worst case of terms x 2^-24 = 1.8e-5;
+// so 5e-6 of the magnitude (measured: 8e-7 at most here, 1e-6 at 64 rows, H = 48 and 300
+// classes: docs/linear.md). An output in bf16 (or f16) is rounded once from fp32: at most half an
+// ulp, and the tolerance allows one (2^-7 or 2^-10 relative to the value) on top.
+constexpr double kLinearRtol = 5e-6;
+
+inline double out_rtol(xent::DType d) {
+  return d == xent::DType::f32 ? 0.0 : grad_rtol(d);
+}
+
+// ------------------------------------------------------------------------------------------
+// The reference
+
+struct LinearRef {
+  RefResult r;      // loss, lse, ..., grad [rows, Vpad] (times grad_output)
+  Matrix d_hidden;  // [rows, H]
+  Matrix d_weight;  // [Vpad, H]; rows past vocab_size 0
+  Matrix dh_mag;    // [rows, H]: sum_j |g_ij w_jh|
+  Matrix dw_mag;    // [Vpad, H]: sum_i |g_ij x_ih|
+};
+
+inline LinearRef linear_reference(const Matrix& hidden, const Matrix& weight,
+                                  const std::vector<int64_t>& targets, const RefOptions& o,
+                                  const std::vector<double>& grad_output) {
+  const int64_t N = hidden.rows, H = hidden.cols, Vpad = weight.rows;
+  const int64_t V = o.vocab_size < 0 ? Vpad : o.vocab_size;
+  Matrix logits(N, Vpad, 0.0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      double s = 0.0;
+      for (int64_t h = 0; h < H; ++h) s += hidden.at(i, h) * weight.at(j, h);
+      logits.at(i, j) = s;
+    }
+  LinearRef ref;
+  ref.r = reference(logits, targets, o, grad_output);
+  ref.d_hidden = Matrix(N, H, 0.0);
+  ref.dh_mag = Matrix(N, H, 0.0);
+  ref.d_weight = Matrix(Vpad, H, 0.0);
+  ref.dw_mag = Matrix(Vpad, H, 0.0);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      const double g = ref.r.grad.at(i, j);
+      for (int64_t h = 0; h < H; ++h) {
+        ref.d_hidden.at(i, h) += g * weight.at(j, h);
+        ref.dh_mag.at(i, h) += std::fabs(g * weight.at(j, h));
+        ref.d_weight.at(j, h) += g * hidden.at(i, h);
+        ref.dw_mag.at(j, h) += std::fabs(g * hidden.at(i, h));
+      }
+    }
+  return ref;
+}
+
+// Rows [r0, r0 + n) of m.
+inline Matrix rows_of(const Matrix& m, int64_t r0, int64_t n) {
+  Matrix out(n, m.cols);
+  std::copy(m.v.begin() + r0 * m.cols, m.v.begin() + (r0 + n) * m.cols, out.v.begin());
+  return out;
+}
+
+// The per-row results of rows [r0, r0 + n) (the reduced loss, accuracy and grad as they are).
+inline RefResult rows_of(const RefResult& r, int64_t r0, int64_t n) {
+  RefResult s = r;
+  const auto cut = [&](auto& v) { v.assign(v.begin() + r0, v.begin() + r0 + n); };
+  cut(s.row_loss);
+  cut(s.row_mag);
+  cut(s.lse);
+  cut(s.zloss);
+  cut(s.argmax);
+  cut(s.row_scale);
+  return s;
+}
+
+// got (a [rows, cols] buffer in its dtype, its stride gap NaN) against want's rows [row0, ...):
+// |got - want| <= out_rtol |want| + kLinearRtol * mag, and the gap left NaN. `worst`, if given,
+// receives the largest |got - want| / mag seen (where mag > 0).
+inline ::testing::AssertionResult matrix_matches(const char* what, const HostLogits& got,
+                                                 const Matrix& want, const Matrix& mag,
+                                                 int64_t row0, double* worst = nullptr) {
+  int bad = 0;
+  std::ostringstream msg;
+  for (int64_t i = 0; i < got.rows; ++i) {
+    for (int64_t j = 0; j < got.cols; ++j) {
+      const double w = want.at(row0 + i, j), m = mag.at(row0 + i, j), have = got.get(i, j);
+      const double err = std::fabs(have - w);
+      const double lim = out_rtol(got.dtype) * std::fabs(w) + kLinearRtol * m;
+      if (worst != nullptr && m > 0.0 && got.dtype == xent::DType::f32)
+        *worst = std::max(*worst, err / m);
+      if (!(err <= lim)) {  // NaN-safe
+        if (bad < 8)
+          msg << "\n  " << what << "[" << row0 + i << "][" << j << "] = " << have << ", want " << w
+              << " (err " << err << " > tol " << lim << ", magnitude " << m << ")";
+        ++bad;
+      }
+    }
+    for (int64_t j = got.cols; j < got.stride; ++j)
+      if (!std::isnan(got.get(i, j))) {
+        if (bad < 8) msg << "\n  " << what << " stride gap [" << i << "][" << j << "] written";
+        ++bad;
+      }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << bad << " elements of " << what << " wrong ("
+                                       << dtype_name(got.dtype) << "):" << msg.str();
+}
+
+inline xent::MatrixView matrix_view(HostLogits& m) {
+  return xent::MatrixView{m.rows > 0 ? m.bytes.data() : nullptr, m.dtype, m.rows, m.cols, m.stride};
+}
+
+// ------------------------------------------------------------------------------------------
+// One rank's call against the reference
+
+struct LinearCase {
+  int64_t rows = 16;  // this rank's rows (with sequence parallelism: each rank's)
+  int64_t H = 24;
+  std::vector<int64_t> widths = {40};         // one per rank; their sum is the padded vocabulary
+  int64_t vocab_size = -1;                    // -1: all columns real
+  xent::DType dtype = xent::DType::f32;       // hidden and weight
+  xent::DType grad_dtype = xent::DType::f32;  // d_hidden and d_weight
+  xent::Options opt;                          // layout fields filled from plan_shard
+  xent::LinearOptions lopt;
+  double p_ignore = 0.0;
+  std::vector<double> grad_output;  // deferred: empty -> 1, one value, or one per global row
+  bool want_d_hidden = true, want_d_weight = true;
+  uint64_t seed = 1;
+  int64_t stride_extra = 3;  // every matrix's row stride is cols + stride_extra (gap NaN)
+};
+
+struct LinearGot {
+  std::vector<float> loss, lse;
+  std::vector<float> d_hidden;            // this rank's d_hidden, row-major [rows, H] (if computed)
+  double worst_dh = 0.0, worst_dw = 0.0;  // max |error| / magnitude (f32 outputs)
+};
+
+// Runs linear_forward (and linear_backward for deferred) on this rank of `g` and checks every
+// output against the reference of the whole problem.
+inline LinearGot run_linear(const xent::Group& g, const LinearCase& c) {
+  using xent::DType;
+  using xent::Reduction;
+  LinearGot got;
+  const int rank = g.rank(), ranks = g.size();
+  EXPECT_EQ(c.widths.size(), static_cast<size_t>(ranks));
+  const bool sp = c.lopt.sequence_parallel;
+  const int64_t N = sp ? c.rows * ranks : c.rows, H = c.H;
+  const int64_t r0 = sp ? c.rows * rank : 0, Nk = c.rows;
+  const std::vector<int64_t> starts = starts_of(c.widths);
+  const int64_t Vpad = starts.back() + c.widths.back();
+  const int64_t V = c.vocab_size < 0 ? Vpad : c.vocab_size;
+
+  // Inputs: hidden ~ N(0, 1), weight ~ N(0, 4 / H) (logits ~ N(0, 4)), rounded to the dtype.
+  Matrix hidden = random_logits(N, H, c.seed, c.dtype, 1.0);
+  Matrix weight = random_logits(Vpad, H, c.seed + 1, c.dtype, 2.0 / std::sqrt(double(H)));
+  std::vector<int64_t> targets = random_targets(N, V, c.seed, c.p_ignore, c.opt.ignore_index);
+
+  const xent::Shard shard = xent::plan_shard(g, c.widths[rank], c.vocab_size);
+  xent::Options opt = c.opt;
+  xent::apply(shard, opt);
+  const RefOptions ro = ref_options(opt, V);
+  const bool deferred = opt.grad_mode == xent::GradMode::deferred;
+  const bool grads = opt.grad_mode != xent::GradMode::none;
+  // Fused: the gradients are for grad_output = grad_scale.
+  const std::vector<double> go_ref =
+      deferred ? c.grad_output : std::vector<double>{double(opt.grad_scale)};
+  const LinearRef ref = linear_reference(hidden, weight, targets, ro, go_ref);
+
+  // This rank's buffers: its rows of hidden, its shard of the weight (padding rows NaN: they
+  // must never be read), outputs filled with NaN (each must be written, or left alone).
+  const double nan = std::nan("");
+  HostLogits hb = make_shard(rows_of(hidden, r0, Nk), 0, H, c.dtype, H + c.stride_extra);
+  Matrix wk = rows_of(weight, shard.start, shard.width);
+  for (int64_t j = 0; j < shard.width; ++j)
+    if (shard.start + j >= V)
+      for (int64_t h = 0; h < H; ++h) wk.at(j, h) = nan;
+  HostLogits wb = make_shard(wk, 0, H, c.dtype, H + c.stride_extra);
+  const std::vector<int64_t> my_targets(targets.begin() + r0, targets.begin() + r0 + Nk);
+  HostTargets tg(my_targets, xent::IndexType::i64);
+  const size_t nloss = opt.reduction == Reduction::none ? static_cast<size_t>(Nk) : 1;
+  got.loss.assign(std::max<size_t>(nloss, 1), std::nanf(""));
+  got.lse.assign(std::max<int64_t>(Nk, 1), std::nanf(""));
+  std::vector<float> zl(std::max<int64_t>(Nk, 1), std::nanf("")), acc(1, std::nanf(""));
+  std::vector<int64_t> am(std::max<int64_t>(Nk, 1), -7);
+  HostLogits dh = make_shard(Matrix(Nk, H, nan), 0, H, c.grad_dtype, H + c.stride_extra);
+  HostLogits dw = make_shard(Matrix(shard.width, H, nan), 0, H, c.grad_dtype, H + c.stride_extra);
+  Matrix dw_want = ref.d_weight, dw_mag = ref.dw_mag;
+  if (c.lopt.accumulate_d_weight) {  // d_weight starts with values that it must add to
+    const Matrix init = random_logits(shard.width, H, c.seed + 2, c.grad_dtype, 0.01);
+    for (int64_t j = 0; j < shard.width; ++j)
+      for (int64_t h = 0; h < H; ++h) {
+        dw.set(j, h, init.at(j, h));
+        dw_want.at(shard.start + j, h) += init.at(j, h);
+        dw_mag.at(shard.start + j, h) += std::fabs(init.at(j, h));
+      }
+  }
+
+  xent::LinearOutputs out;
+  out.loss = got.loss.data();
+  out.lse = got.lse.data();
+  out.z_loss = zl.data();
+  if (opt.compute_accuracy) {
+    out.argmax = am.data();
+    out.accuracy = acc.data();
+  }
+  xent::LinearOutputs grads_out;
+  if (c.want_d_hidden) grads_out.d_hidden = matrix_view(dh);
+  if (c.want_d_weight) grads_out.d_weight = matrix_view(dw);
+  if (opt.grad_mode == xent::GradMode::fused) {
+    out.d_hidden = grads_out.d_hidden;
+    out.d_weight = grads_out.d_weight;
+  }
+  const xent::MatrixView hv = matrix_view(hb), wv = matrix_view(wb);
+  xent::linear_forward(g, hv, wv, tg.view(), opt, c.lopt, out);
+  if (deferred) {
+    std::vector<float> go(c.grad_output.begin(), c.grad_output.end());
+    if (go.size() == static_cast<size_t>(N)) go.assign(go.begin() + r0, go.begin() + r0 + Nk);
+    xent::linear_backward(g, hv, wv, tg.view(), got.lse.data(), go.empty() ? nullptr : go.data(),
+                          opt, c.lopt, grads_out);
+  }
+  got.loss.resize(nloss);
+  got.lse.resize(Nk);
+
+  const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
+                            (sp ? ", sequence parallel" : "");
+  GotOutputs o;
+  o.loss = got.loss;
+  o.lse = got.lse;
+  o.zloss.assign(zl.begin(), zl.begin() + Nk);
+  if (opt.compute_accuracy) {
+    o.argmax.assign(am.begin(), am.begin() + Nk);
+    o.accuracy = acc;
+  }
+  {
+    SCOPED_TRACE(where + ": forward outputs");
+    expect_outputs(o, rows_of(ref.r, r0, Nk), my_targets, ro);
+  }
+  if (!grads || (!c.want_d_hidden && !c.want_d_weight)) {
+    if (Nk > 0) EXPECT_TRUE(std::isnan(dh.get(0, 0))) << where << ": d_hidden written";
+    EXPECT_TRUE(std::isnan(dw.get(0, 0))) << where << ": d_weight written";
+    return got;
+  }
+  if (c.want_d_hidden) {
+    EXPECT_TRUE(matrix_matches("d_hidden", dh, ref.d_hidden, ref.dh_mag, r0, &got.worst_dh))
+        << where;
+    for (int64_t i = 0; i < Nk; ++i)
+      for (int64_t h = 0; h < H; ++h) got.d_hidden.push_back(static_cast<float>(dh.get(i, h)));
+  }
+  if (c.want_d_weight)
+    EXPECT_TRUE(matrix_matches("d_weight", dw, dw_want, dw_mag, shard.start, &got.worst_dw))
+        << where << ", shard [" << shard.start << ", " << shard.start + shard.width << ")";
+  return got;
+}
+
+}  // namespace xtest

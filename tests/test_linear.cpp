@@ -1,0 +1,345 @@
+// The fused lm head (xent/linear.h) on one rank of the CPU backend, against the float64
+// reference of linear_harness.h: every option, both grad modes, chunk sizes, and bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <xent/linear.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "linear_harness.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+using xent::DType;
+using xent::GradMode;
+using xent::Reduction;
+using xtest::error_of;
+using xtest::LinearCase;
+using xtest::run_linear;
+
+xent::Group local() {
+  return xent::Group::local(xent::Backend::cpu);
+}
+
+// Chunks of 1 row, of a size that does not divide the rows (16), of all rows and more, and from
+// max_chunk_bytes (0: the default 256 MiB, and a bound that holds 3 rows of 40 columns).
+std::vector<xent::LinearOptions> chunkings() {
+  std::vector<xent::LinearOptions> all;
+  for (int64_t rows : {1, 5, 16, 100, 0}) {
+    xent::LinearOptions l;
+    l.chunk_rows = rows;
+    all.push_back(l);
+  }
+  xent::LinearOptions bytes;
+  bytes.max_chunk_bytes = 3 * 40 * 8 + 7;
+  all.push_back(bytes);
+  return all;
+}
+
+TEST(Linear, ChunkSizesFusedAndDeferred) {
+  const xent::Group g = local();
+  for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+    std::vector<float> first_loss;
+    for (const xent::LinearOptions& l : chunkings()) {
+      SCOPED_TRACE(std::string(xent::to_string(mode)) + ", chunk_rows " +
+                   std::to_string(l.chunk_rows) + ", max_chunk_bytes " +
+                   std::to_string(l.max_chunk_bytes));
+      LinearCase c;
+      c.opt.grad_mode = mode;
+      c.lopt = l;
+      c.p_ignore = 0.2;
+      const xtest::LinearGot got = run_linear(g, c);
+      std::printf("[ measured ] %s chunk_rows %lld: d_hidden %.2e, d_weight %.2e of magnitude\n",
+                  xent::to_string(mode), static_cast<long long>(l.chunk_rows), got.worst_dh,
+                  got.worst_dw);
+      // Rows are summed in order whatever the chunks: the same loss to the bit.
+      if (first_loss.empty()) first_loss = got.loss;
+      EXPECT_EQ(got.loss, first_loss) << "the loss depends on the chunk size";
+    }
+  }
+}
+
+TEST(Linear, Reductions) {
+  const xent::Group g = local();
+  for (Reduction r : {Reduction::none, Reduction::mean, Reduction::sum}) {
+    for (GradMode mode : {GradMode::fused, GradMode::deferred, GradMode::none}) {
+      SCOPED_TRACE(std::string(xent::to_string(r)) + ", " + xent::to_string(mode));
+      LinearCase c;
+      c.opt.reduction = r;
+      c.opt.grad_mode = mode;
+      c.p_ignore = 0.25;
+      c.lopt.chunk_rows = 7;
+      run_linear(g, c);
+    }
+  }
+}
+
+TEST(Linear, Bf16Inputs) {
+  const xent::Group g = local();
+  for (DType out : {DType::bf16, DType::f32}) {
+    for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+      SCOPED_TRACE(std::string("gradients in ") + xent::to_string(out) + ", " +
+                   xent::to_string(mode));
+      LinearCase c;
+      c.dtype = DType::bf16;
+      c.grad_dtype = out;
+      c.opt.grad_mode = mode;
+      c.lopt.chunk_rows = 6;
+      c.opt.label_smoothing = 0.1f;
+      run_linear(g, c);
+    }
+  }
+}
+
+TEST(Linear, F16Inputs) {
+  LinearCase c;
+  c.dtype = DType::f16;
+  c.grad_dtype = DType::f16;
+  c.lopt.chunk_rows = 4;
+  run_linear(local(), c);
+}
+
+TEST(Linear, SmoothingZLossAccuracy) {
+  const xent::Group g = local();
+  for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+    LinearCase c;
+    c.opt.grad_mode = mode;
+    c.opt.label_smoothing = 0.15f;
+    c.opt.z_loss = 0.01f;
+    c.opt.compute_accuracy = true;
+    c.p_ignore = 0.2;
+    c.lopt.chunk_rows = 3;
+    run_linear(g, c);
+  }
+}
+
+TEST(Linear, Softcap) {
+  LinearCase c;
+  c.opt.softcap = 3.0f;
+  c.opt.z_loss = 0.02f;
+  c.lopt.chunk_rows = 5;
+  run_linear(local(), c);
+}
+
+TEST(Linear, GradScaleFused) {
+  LinearCase c;
+  c.opt.grad_scale = 0.125f;
+  c.opt.reduction = Reduction::sum;
+  c.lopt.chunk_rows = 5;
+  run_linear(local(), c);
+}
+
+TEST(Linear, PaddingRowsOfTheWeight) {
+  // 40 rows of weight, 33 real classes: rows 33..39 are NaN and must not be read; their
+  // d_weight rows are 0 (bf16: rounded from the fp32 accumulator; f32: written directly).
+  const xent::Group g = local();
+  for (DType out : {DType::f32, DType::bf16}) {
+    for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+      LinearCase c;
+      c.vocab_size = 33;
+      c.dtype = out;
+      c.grad_dtype = out;
+      c.opt.grad_mode = mode;
+      c.opt.label_smoothing = 0.1f;
+      c.opt.compute_accuracy = true;
+      c.lopt.chunk_rows = 6;
+      run_linear(g, c);
+    }
+  }
+}
+
+TEST(Linear, DeferredGradOutput) {
+  const xent::Group g = local();
+  {
+    LinearCase c;  // a scalar
+    c.opt.grad_mode = GradMode::deferred;
+    c.opt.reduction = Reduction::sum;
+    c.grad_output = {0.37};
+    c.lopt.chunk_rows = 5;
+    run_linear(g, c);
+  }
+  for (DType out : {DType::f32, DType::bf16}) {
+    LinearCase c;  // one per row
+    c.opt.grad_mode = GradMode::deferred;
+    c.opt.reduction = Reduction::none;
+    c.dtype = out;
+    c.grad_dtype = out;
+    c.p_ignore = 0.2;
+    for (int64_t i = 0; i < c.rows; ++i) c.grad_output.push_back(0.1 + 0.3 * (i % 5));
+    c.lopt.chunk_rows = 5;
+    run_linear(g, c);
+  }
+}
+
+TEST(Linear, AccumulateDWeight) {
+  const xent::Group g = local();
+  for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+    LinearCase c;
+    c.opt.grad_mode = mode;
+    c.vocab_size = 35;  // padding rows keep their values
+    c.dtype = DType::bf16;
+    c.lopt.accumulate_d_weight = true;
+    c.lopt.chunk_rows = 4;
+    run_linear(g, c);
+  }
+}
+
+TEST(Linear, OneGradientOnly) {
+  const xent::Group g = local();
+  for (bool dh : {true, false}) {
+    LinearCase c;
+    c.want_d_hidden = dh;
+    c.want_d_weight = !dh;
+    c.lopt.chunk_rows = 5;
+    run_linear(g, c);
+  }
+}
+
+TEST(Linear, AllIgnoredAndNoRows) {
+  const xent::Group g = local();
+  LinearCase c;
+  c.p_ignore = 1.0;  // mean over no row: loss 0, gradients 0
+  c.opt.compute_accuracy = true;
+  run_linear(g, c);
+  c.rows = 0;
+  run_linear(g, c);
+}
+
+// ------------------------------------------------------------------------------ bad input
+
+// A valid call that each test breaks in one way.
+struct Call {
+  xtest::Matrix x = xtest::random_logits(4, 6, 1, DType::f32);
+  xtest::Matrix w = xtest::random_logits(10, 6, 2, DType::f32);
+  xtest::HostLogits hb = xtest::make_shard(x, 0, 6, DType::f32);
+  xtest::HostLogits wb = xtest::make_shard(w, 0, 6, DType::f32);
+  xtest::HostLogits dh = xtest::make_shard(x, 0, 6, DType::f32);
+  xtest::HostLogits dw = xtest::make_shard(w, 0, 6, DType::f32);
+  std::vector<int64_t> t = {1, 2, 3, 4};
+  xtest::HostTargets tg{t, xent::IndexType::i64};
+  std::vector<float> loss = std::vector<float>(4), lse = std::vector<float>(4);
+  xent::Options opt;
+  xent::LinearOptions lopt;
+  xent::LinearOutputs out;
+  xent::MatrixView hv = xtest::matrix_view(hb), wv = xtest::matrix_view(wb);
+  xent::Group g = local();
+  Call() {
+    out.loss = loss.data();
+    out.lse = lse.data();
+    out.d_hidden = xtest::matrix_view(dh);
+    out.d_weight = xtest::matrix_view(dw);
+  }
+  std::string forward() {
+    return error_of([&] { xent::linear_forward(g, hv, wv, tg.view(), opt, lopt, out); });
+  }
+  std::string backward(const float* l) {
+    return error_of(
+        [&] { xent::linear_backward(g, hv, wv, tg.view(), l, nullptr, opt, lopt, out); });
+  }
+};
+
+TEST(LinearErrors, HiddenSizeMismatch) {
+  Call c;
+  c.wv.cols = 5;
+  const std::string msg = c.forward();
+  EXPECT_THAT(msg, HasSubstr("weight.cols = 5"));
+  EXPECT_THAT(msg, HasSubstr("hidden.cols = 6"));
+}
+
+TEST(LinearErrors, TargetsRows) {
+  Call c;
+  xent::TargetsView tv = c.tg.view();
+  tv.rows = 3;
+  EXPECT_THAT(error_of([&] { xent::linear_forward(c.g, c.hv, c.wv, tv, c.opt, c.lopt, c.out); }),
+              HasSubstr("targets.rows = 3: must equal hidden.rows = 4"));
+}
+
+TEST(LinearErrors, GradientShapesAndDtypes) {
+  Call c;
+  c.out.d_hidden.rows = 3;
+  EXPECT_THAT(c.forward(), HasSubstr("out.d_hidden.rows = 3: must equal hidden.rows = 4"));
+  Call d;
+  d.out.d_weight.cols = 5;
+  EXPECT_THAT(d.forward(), HasSubstr("out.d_weight.cols = 5: must equal weight.cols = 6"));
+  Call e;
+  e.out.d_weight.dtype = DType::bf16;  // weight is f32: f32 only
+  EXPECT_THAT(e.forward(), HasSubstr("out.d_weight.dtype = bf16: must be weight's (f32) or f32"));
+  Call f;
+  f.out.d_hidden.row_stride = 5;
+  EXPECT_THAT(f.forward(), HasSubstr("out.d_hidden.row_stride = 5: must be >= out.d_hidden.cols"));
+}
+
+TEST(LinearErrors, AccumulateNeedsF32) {
+  Call c;
+  c.wv.dtype = DType::bf16;  // the data is not read: the check comes first
+  c.out.d_weight.dtype = DType::bf16;
+  c.lopt.accumulate_d_weight = true;
+  EXPECT_THAT(c.forward(), HasSubstr("out.d_weight.dtype = bf16 with accumulate_d_weight"));
+}
+
+TEST(LinearErrors, ChunkOptions) {
+  Call c;
+  c.lopt.chunk_rows = -2;
+  EXPECT_THAT(c.forward(), HasSubstr("LinearOptions::chunk_rows = -2: must be >= 1, or 0"));
+  Call d;
+  d.lopt.max_chunk_bytes = 79;  // one row of 10 columns needs 80
+  const std::string msg = d.forward();
+  EXPECT_THAT(msg, HasSubstr("LinearOptions::max_chunk_bytes = 79"));
+  EXPECT_THAT(msg, HasSubstr("80 bytes"));
+}
+
+TEST(LinearErrors, GradientsAndGradModes) {
+  Call c;
+  c.opt.grad_mode = GradMode::deferred;
+  EXPECT_THAT(c.forward(), HasSubstr("out.d_hidden is set with grad_mode = deferred"));
+  Call d;
+  d.out.d_hidden = {};
+  d.out.d_weight = {};
+  EXPECT_THAT(d.forward(), HasSubstr("out.d_hidden and out.d_weight are both null"));
+  Call e;
+  EXPECT_THAT(e.backward(e.lse.data()), HasSubstr("linear_backward with grad_mode = fused"));
+  Call f;
+  f.opt.grad_mode = GradMode::deferred;
+  EXPECT_THAT(f.backward(nullptr), HasSubstr("linear_backward(lse = null)"));
+  Call h;
+  h.opt.grad_mode = GradMode::none;
+  EXPECT_THAT(h.backward(h.lse.data()), HasSubstr("grad_mode = none"));
+}
+
+TEST(LinearErrors, TargetOutOfRange) {
+  Call c;
+  c.tg = xtest::HostTargets({1, 2, 10, 4}, xent::IndexType::i64);
+  EXPECT_THAT(c.forward(), HasSubstr("targets[2] = 10: must be in [0, vocab_size = 10)"));
+}
+
+TEST(LinearErrors, OptionsOfTheLogitsPath) {
+  Call c;
+  c.opt.label_smoothing = 1.0f;
+  EXPECT_THAT(c.forward(), HasSubstr("label_smoothing = 1"));
+  Call d;
+  d.wv.rows = 0;
+  EXPECT_THAT(d.forward(), HasSubstr("weight.rows = 0: must be >= 1"));
+}
+
+// A communicator that says its buffers are CUDA's: the group is refused before any work.
+class FakeCuda final : public xent::Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  xent::Backend backend() const override { return xent::Backend::cuda; }
+  void all_gather(const void*, void*, size_t, cudaStream_t) override {}
+};
+
+TEST(LinearErrors, CudaNotYet) {
+  Call c;
+  c.g = xent::Group::custom(std::make_shared<FakeCuda>());
+  EXPECT_THAT(c.forward(), HasSubstr("not yet on the CUDA backend"));
+  c.opt.grad_mode = GradMode::deferred;
+  EXPECT_THAT(c.backward(c.lse.data()), HasSubstr("not yet on the CUDA backend"));
+}
+
+}  // namespace
