@@ -81,6 +81,31 @@ at::Tensor vocab_parallel_cross_entropy_loss(const at::Tensor& logits, const at:
                                              const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                                              const CrossEntropyOptions& options = {});
 
+// The fused lm head: the loss of hidden @ weight^T, this rank's shard of the vocabulary, without
+// the logits ever existing in full (xent/linear.h; docs/torch.md). The CPU backend only, for now.
+struct LinearCrossEntropyOptions {
+  // The loss's options: every field of CrossEntropyOptions but inplace_grad, return_lse,
+  // return_z_loss and compute_accuracy (which must stay false). grad_mode fused (the default):
+  // forward computes the gradients for grad_output = grad_scale, and backward recomputes them
+  // (rounded once) only where grad_output is something else; deferred: backward recomputes.
+  CrossEntropyOptions loss;
+  // true: hidden and target are this rank's own rows (the same count on every rank), the problem
+  // is over every rank's rows in rank order, and d_hidden is this rank's rows. false: every rank
+  // holds the same hidden and target, and d_hidden is summed over the ranks.
+  bool sequence_parallel = false;
+  int64_t chunk_rows = 0;                        // rows of hidden per chunk; 0: max_chunk_bytes
+  int64_t max_chunk_bytes = int64_t(256) << 20;  // a chunk's fp32 logits and their gradient
+};
+
+// hidden: [..., H] float32/bfloat16/float16 on the CPU; weight: [V_local, H], hidden's dtype
+// (its rows are this rank's columns of the vocabulary); target: hidden's shape without the last
+// dimension, int64 or int32. Returns the float32 loss, [] or target's shape for reduction none;
+// differentiable for hidden and weight.
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                const at::Tensor& target,
+                                const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                const LinearCrossEntropyOptions& options = {});
+
 // The xent::Group used for `group` on `device` (created on first use and cached while the
 // process group lives, so that its workspace persists). For CUDA: the group's NCCL communicator
 // for that device, created (collectively) if the process group has not made it yet. Use it to

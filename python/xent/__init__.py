@@ -5,6 +5,7 @@ boxing (a few microseconds less host time per call; used in eager mode where it 
     import xent                                       # finds and loads the library
     loss = xent.vocab_parallel_cross_entropy(logits_shard, target, group=tp_group)
     # the same:  torch.ops.xent.vocab_parallel_cross_entropy(logits_shard, target, tp_group.group_name)
+    loss = xent.linear_cross_entropy(hidden, weight_shard, target, group=tp_group)  # lm head fused
 
 logits_shard is [..., this rank's vocabulary columns] and target [...] (any leading dimensions,
 e.g. Megatron's [seq, batch]); reduction="none" gives a loss of the target's shape.
@@ -24,7 +25,7 @@ import warnings
 
 import torch
 
-__all__ = ["check_errors", "library_path", "vocab_parallel_cross_entropy",
+__all__ = ["check_errors", "library_path", "linear_cross_entropy", "vocab_parallel_cross_entropy",
            "vocab_parallel_cross_entropy_stats"]
 
 _NAME = "libxent_torch.so"
@@ -99,6 +100,7 @@ from . import _fake  # noqa: E402,F401  (registers the fake kernels)
 # The overloads themselves: no attribute lookups or overload resolution on every call.
 _LOSS = torch.ops.xent.vocab_parallel_cross_entropy.default
 _STATS = torch.ops.xent.vocab_parallel_cross_entropy_stats.default
+_LINEAR = torch.ops.xent.linear_cross_entropy.default
 
 
 def _name(group):
@@ -165,6 +167,43 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
     return call(
         logits, target, _name(group), ignore_index, label_smoothing, z_loss, softcap, reduction,
         vocab_start, vocab_size, grad_mode, inplace_grad, compute_accuracy, grad_scale)
+
+
+def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_parallel=False,
+                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
+                         reduction="mean", vocab_start=-1, vocab_size=-1, grad_mode="fused",
+                         grad_scale=1.0, chunk_rows=0, max_chunk_bytes=256 << 20):
+    """The fused lm head: the loss of hidden @ weight.T against global targets, without the
+    logits [rows, V] ever existing in full (they are made chunk_rows at a time, or as many rows
+    as max_chunk_bytes holds in float32 with their gradient). The CPU backend only, for now.
+
+    hidden [..., H] and target [...] (the same on every rank; with sequence_parallel=True this
+    rank's own rows, as many on every rank), weight [V_local, H] this rank's shard of the
+    vocabulary (its rows are the columns vocab_start.. of the logits; planned from every rank's
+    rows when -1). Returns the float32 loss ([] or target's shape for reduction "none"),
+    differentiable for hidden (summed over the ranks, or this rank's rows with
+    sequence_parallel) and weight. Options as in vocab_parallel_cross_entropy.
+
+    Every gradient element is rounded once to its dtype for any grad_output: grad_mode "fused"
+    computes them in forward for grad_output = grad_scale, and backward recomputes them where
+    grad_output is anything else (grad_output applied before the rounding); "deferred" always
+    recomputes in backward. weight may be a DTensor sharded on dim 0 over a 1-D DeviceMesh
+    (ColwiseParallel on an nn.Linear lm head): group, vocab_start and vocab_size then come from
+    it, hidden and target plain or replicated, and the loss is a DTensor. See docs/torch.md.
+    """
+    if _dtensor.is_dtensor(weight) or _dtensor.is_dtensor(hidden):
+        d = _dtensor.LinearInputs(hidden, weight, target, group, sequence_parallel, vocab_start,
+                                  vocab_size)
+        loss = linear_cross_entropy(
+            d.hidden, d.weight, d.target, d.group, sequence_parallel=sequence_parallel,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            softcap=softcap, reduction=reduction, vocab_start=d.vocab_start,
+            vocab_size=d.vocab_size, grad_mode=grad_mode, grad_scale=grad_scale,
+            chunk_rows=chunk_rows, max_chunk_bytes=max_chunk_bytes)
+        return d.wrap(loss, own_rows=sequence_parallel and reduction == "none")
+    return _LINEAR(hidden, weight, target, _name(group), sequence_parallel, ignore_index,
+                   label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
+                   grad_mode, grad_scale, chunk_rows, max_chunk_bytes)
 
 
 def check_errors(group=None, device=None):

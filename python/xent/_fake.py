@@ -60,3 +60,37 @@ def _scale_inplace(grad, target, grad_output, group_name, ignore_index, label_sm
                    softcap, reduction, vocab_start, vocab_size, grad_scale):
     return None
 
+
+# The fused lm head: hidden [rows, H], weight [V_local, H], target [rows].
+def _linear_grads(hidden, weight, d_hidden, d_weight):
+    dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if d_hidden \
+        else hidden.new_empty((0,))
+    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if d_weight \
+        else weight.new_empty((0,))
+    return dh, dw
+
+
+@torch.library.register_fake("xent::_linear_forward")
+def _linear_forward(hidden, weight, target, group_name, ignore_index, label_smoothing, z_loss,
+                    softcap, reduction, vocab_start, vocab_size, grad_scale, sequence_parallel,
+                    chunk_rows, max_chunk_bytes, d_hidden, d_weight):
+    n = hidden.shape[0]
+    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
+    lse = hidden.new_empty((n,), dtype=torch.float32)
+    return (loss, lse) + _linear_grads(hidden, weight, d_hidden, d_weight)
+
+
+@torch.library.register_fake("xent::_linear_backward")
+def _linear_backward(hidden, weight, target, lse, grad_output, group_name, ignore_index,
+                     label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
+                     grad_scale, sequence_parallel, chunk_rows, max_chunk_bytes, d_hidden,
+                     d_weight):
+    return _linear_grads(hidden, weight, d_hidden, d_weight)
+
+
+@torch.library.register_fake("xent::_linear_backward_fused")
+def _linear_backward_fused(d_hidden, d_weight, hidden, weight, target, lse, grad_output,
+                           group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                           vocab_start, vocab_size, grad_scale, sequence_parallel, chunk_rows,
+                           max_chunk_bytes):
+    return None

@@ -6,6 +6,9 @@
     xent.megatron.patch()    # Megatron's own entry points now call xent (see patch())
     xent.megatron.unpatch()  # and now Megatron's own functions again
 
+    # the fused lm head, as Megatron-LM main's fused_linear_cross_entropy.linear_cross_entropy
+    loss = xent.megatron.linear_cross_entropy(hidden, weight_shard, labels, tp_group)
+
 With label_smoothing = 0 the loss and gradient are Megatron's, to rounding. With
 label_smoothing > 0 they are NOT Megatron's: xent computes PyTorch's definition
 (F.cross_entropy(label_smoothing=...) on the full vocabulary), see vocab_parallel_cross_entropy
@@ -21,9 +24,12 @@ import sys
 import types
 import warnings
 
+import torch
+
+from . import linear_cross_entropy as _xent_linear
 from . import vocab_parallel_cross_entropy as _xent_loss
 
-__all__ = ["fused_vocab_parallel_cross_entropy", "patch", "unpatch",
+__all__ = ["fused_vocab_parallel_cross_entropy", "linear_cross_entropy", "patch", "unpatch",
            "vocab_parallel_cross_entropy"]
 
 # Megatron has no ignore_index: a target outside the vocabulary gets a meaningless loss there,
@@ -128,6 +134,66 @@ def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
     return vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group)
 
 
+class _GatherRows(torch.autograd.Function):
+    """Every rank's equal share of a per-token vector, concatenated in rank order; backward
+    hands each rank its own slice of the gradient (which Megatron's contract makes the same on
+    every rank: no sum)."""
+
+    @staticmethod
+    def forward(ctx, mine, group):
+        import torch.distributed as dist
+        ctx.rank, ctx.rows = group.rank(), mine.numel()
+        parts = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(parts, mine.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
+
+
+def linear_cross_entropy(hidden, weight, labels, tp_group=None, reduction="mean",
+                         ignore_index=-100, sequence_parallel=False):
+    """The fused lm head with the signature and layout of Megatron-LM main's
+    megatron.core.fusions.fused_linear_cross_entropy.linear_cross_entropy (not in megatron-core
+    0.16.1), on xent's CPU backend for now (xent.linear_cross_entropy).
+
+    hidden: [s, b, h] or [tokens, h], this rank's tokens with sequence_parallel (then s / tp of
+    them, rank-major); weight: [V/tp, h], this rank's equal share of the vocabulary (rank r holds
+    rows [r V/tp, (r + 1) V/tp), Megatron's partition); labels: [s, b] (Megatron's
+    LinearCrossEntropyModule transposes its [b, s] labels first) or [tokens], every token's, the
+    same on every rank, also with sequence_parallel. tp_group None: one rank. Returns the
+    float32 loss, the same on every rank: [] for "mean" and "sum", [s * b] for "none" (every
+    token's, also with sequence_parallel, as Megatron's). Differentiable for hidden (summed over
+    the ranks; with sequence_parallel this rank's rows) and weight; grad_output must be the
+    same on every rank, as Megatron requires.
+
+    grad_mode "deferred": Megatron scales the per-token loss before backward (loss mask, token
+    count), so a gradient made in forward for grad_output = 1 would be recomputed anyway.
+    """
+    rank, world = (0, 1) if tp_group is None else (tp_group.rank(), tp_group.size())
+    sp = sequence_parallel and world > 1
+    rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
+    labels = labels.reshape(-1)
+    want = rows * world if sp else rows
+    if labels.numel() != want:
+        raise RuntimeError(
+            f"xent.megatron.linear_cross_entropy: labels has {labels.numel()} elements: must "
+            f"have {want}, one per row of hidden" + (
+                f" on each of the {world} ranks (with sequence_parallel, labels hold every "
+                f"rank's tokens)" if sp else ""))
+    if sp:  # xent takes this rank's own labels
+        labels = labels[rank * rows:(rank + 1) * rows]
+    width = weight.shape[0]
+    loss = _xent_linear(hidden.reshape(rows, -1), weight, labels, tp_group,
+                        sequence_parallel=sp, ignore_index=ignore_index, reduction=reduction,
+                        vocab_start=rank * width, vocab_size=world * width,
+                        grad_mode=_GRAD_MODE)
+    if sp and reduction == "none":  # Megatron returns every token's loss on every rank
+        loss = _GatherRows.apply(loss, tp_group)
+    return loss
+
+
 def _entry_point(function):
     """A new function object that calls `function`: what patch() installs. Being a distinct
     object, unpatch() finds exactly the places that hold it, and never touches a user's own
@@ -138,13 +204,28 @@ def _entry_point(function):
     return entry_point
 
 
-# (Megatron module defining it, its name, what patch() installs in its place)
+# (Megatron module defining it, its name, what patch() installs in its place, whether every
+# megatron-core has the module: fused_linear_cross_entropy came after 0.16.1)
 _TARGETS = (
     ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy",
-     _entry_point(vocab_parallel_cross_entropy)),
+     _entry_point(vocab_parallel_cross_entropy), True),
     ("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy",
-     _entry_point(fused_vocab_parallel_cross_entropy)),
+     _entry_point(fused_vocab_parallel_cross_entropy), True),
 )
+# Not yet ("megatron.core.fusions.fused_linear_cross_entropy", "linear_cross_entropy",
+# _entry_point(linear_cross_entropy), False): Megatron's runs on CUDA (Blackwell), xent's fused
+# lm head on the CPU backend only for now; patching it would make a working CUDA path fail.
+
+
+def _target_module(module_name, always):
+    """Megatron's module, or None where it is one that this megatron-core does not have."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if not always and e.name == module_name:
+            return None
+    return _import_megatron(module_name, "xent.megatron.patch()")
+
 
 # While patched: installed entry point -> the object it replaced.
 _replaced = {}
@@ -174,12 +255,18 @@ def patch():
 
     The installed functions are wrappers whose __wrapped__ is xent.megatron's function of the
     same name. Does nothing if already patched. Undo with unpatch(). Not patched: the
-    TransformerEngine path (cross_entropy_fusion_impl = "te")."""
+    TransformerEngine path (cross_entropy_fusion_impl = "te").
+
+    megatron.core.fusions.fused_linear_cross_entropy (Megatron-LM main; not 0.16.1) is left
+    alone until xent's fused lm head runs on CUDA: call xent.megatron.linear_cross_entropy
+    directly meanwhile."""
     if _replaced:
         return
     found = []
-    for module_name, name, entry_point in _TARGETS:
-        module = _import_megatron(module_name, "xent.megatron.patch()")
+    for module_name, name, entry_point, always in _TARGETS:
+        module = _target_module(module_name, always)
+        if module is None:
+            continue
         if not hasattr(module, name):
             raise RuntimeError(
                 f"xent.megatron.patch(): {module_name} has no {name}: this megatron-core is "

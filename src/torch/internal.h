@@ -13,11 +13,13 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <tuple>
 #include <utility>
 
+#include "xent/linear.h"
 #include "xent/torch.h"
 
 // The adapter's own argument checks: a c10::Error (RuntimeError in Python) whose message starts
@@ -124,5 +126,62 @@ StatsOut stats_entry(const at::Tensor& logits, const at::Tensor& target,
 // leading dimensions flattened, the autograd node attached when a gradient is wanted.
 CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const OpArgs& args,
                        const CrossEntropyOptions& o);
+
+// ------------------------------------------------------------------------- the fused lm head
+
+// Its own arguments, as its schemas list them after the OpArgs:
+//   bool sequence_parallel, int chunk_rows, int max_chunk_bytes
+struct LinearArgs {
+  bool sequence_parallel = false;
+  int64_t chunk_rows = 0;  // 0: rows from max_chunk_bytes
+  int64_t max_chunk_bytes = int64_t(256) << 20;
+
+  static LinearArgs of(const LinearCrossEntropyOptions& o);
+  // The core's options; max_chunk_bytes checked (> 0) first, the rest is the core's.
+  LinearOptions options() const;
+};
+#define XENT_LINEAR_ARGS_SCHEMA "bool sequence_parallel, int chunk_rows, int max_chunk_bytes"
+
+// (loss, lse, d_hidden, d_weight): loss [rows] for reduction "none", else []; lse [rows] (the
+// backward recomputes from it); d_hidden [rows, H] and d_weight [V_local, H] (contiguous, their
+// input's dtype) where asked, for grad_output = grad_scale, else [0].
+using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// (d_hidden, d_weight), each [0] where not asked.
+using LinearGrads = std::tuple<at::Tensor, at::Tensor>;
+
+// Registers the CPU and CUDA kernels of _linear_forward, _linear_backward and
+// _linear_backward_fused (linear_ops.cpp; CUDA tensors reach the core, which refuses them).
+void register_linear_kernels(::torch::Library& m);
+
+// The internal operators through the dispatcher (linear.cpp). hidden [rows, H], weight
+// [V_local, H], target [rows]: this rank's rows (every row without sequence parallelism).
+// No gradient asked: the loss and lse only.
+LinearForwardOut call_linear_forward(const OpArgs& a, const LinearArgs& l, const at::Tensor& hidden,
+                                     const at::Tensor& weight, const at::Tensor& target,
+                                     bool d_hidden, bool d_weight);
+// The deferred backward: the gradients asked for, recomputed from lse with grad_output applied
+// before their one rounding.
+LinearGrads call_linear_backward(const OpArgs& a, const LinearArgs& l, const at::Tensor& hidden,
+                                 const at::Tensor& weight, const at::Tensor& target,
+                                 const at::Tensor& lse,
+                                 const std::optional<at::Tensor>& grad_output, bool d_hidden,
+                                 bool d_weight);
+// The fused backward: d_hidden and d_weight are _linear_forward's (for grad_output =
+// grad_scale; [0] where not computed); rewritten by the deferred backward unless grad_output
+// equals grad_scale on every rank.
+void call_linear_backward_fused(const OpArgs& a, const LinearArgs& l, const at::Tensor& d_hidden,
+                                const at::Tensor& d_weight, const at::Tensor& hidden,
+                                const at::Tensor& weight, const at::Tensor& target,
+                                const at::Tensor& lse,
+                                const std::optional<at::Tensor>& grad_output);
+
+// The public operator torch.ops.xent.linear_cross_entropy, as its schema (op.cpp) lists the
+// arguments: checks, leading dimensions flattened, the autograd node (linear.cpp).
+at::Tensor linear_entry(const at::Tensor& hidden, const at::Tensor& weight,
+                        const at::Tensor& target, c10::string_view group_name,
+                        bool sequence_parallel, int64_t ignore_index, double label_smoothing,
+                        double z_loss, double softcap, c10::string_view reduction,
+                        int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
+                        double grad_scale, int64_t chunk_rows, int64_t max_chunk_bytes);
 
 }  // namespace xent::torch::detail

@@ -6,8 +6,9 @@
 // Autograd: they check, flatten the leading dimensions and attach the autograd node
 // (function.cpp), which calls the internal operators _forward, _forward_inplace, _backward,
 // _backward_inplace, _backward_fused and _scale_inplace (ops.cpp: CPU and CUDA kernels; fake
-// kernels for torch.compile in python/xent/_fake.py). check_errors(group_name, device) syncs and
-// reports out-of-range targets.
+// kernels for torch.compile in python/xent/_fake.py). linear_cross_entropy, the fused lm head, is
+// the same pattern over _linear_forward, _linear_backward and _linear_backward_fused (linear.cpp,
+// linear_ops.cpp). check_errors(group_name, device) syncs and reports out-of-range targets.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
@@ -109,17 +110,39 @@ TORCH_LIBRARY(xent, m) {
   m.def(
       "_backward_fused(Tensor(a!) grad, Tensor logits, Tensor target, Tensor lse, Tensor? "
       "grad_output, " XENT_OP_ARGS_SCHEMA ") -> ()");
+  // The fused lm head (linear.cpp; docs/torch.md).
+  m.def(
+      "linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, str group_name, "
+      "bool sequence_parallel=False, int ignore_index=-100, float label_smoothing=0.0, "
+      "float z_loss=0.0, float softcap=0.0, str reduction=\"mean\", int vocab_start=-1, "
+      "int vocab_size=-1, str grad_mode=\"fused\", float grad_scale=1.0, int chunk_rows=0, "
+      "int max_chunk_bytes=268435456) -> Tensor");
+  // Internal: hidden [rows, H], weight [V_local, H], target [rows].
+  m.def("_linear_forward(Tensor hidden, Tensor weight, Tensor target, " XENT_OP_ARGS_SCHEMA
+        ", " XENT_LINEAR_ARGS_SCHEMA
+        ", bool d_hidden, bool d_weight) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_linear_backward(Tensor hidden, Tensor weight, Tensor target, Tensor lse, "
+      "Tensor? grad_output, " XENT_OP_ARGS_SCHEMA ", " XENT_LINEAR_ARGS_SCHEMA
+      ", bool d_hidden, bool d_weight) -> (Tensor, Tensor)");
+  m.def(
+      "_linear_backward_fused(Tensor(a!) d_hidden, Tensor(b!) d_weight, Tensor hidden, "
+      "Tensor weight, Tensor target, Tensor lse, Tensor? grad_output, " XENT_OP_ARGS_SCHEMA
+      ", " XENT_LINEAR_ARGS_SCHEMA ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(xent, CompositeImplicitAutograd, m) {
   m.impl("vocab_parallel_cross_entropy", &xent::torch::detail::loss_entry);
   m.impl("vocab_parallel_cross_entropy_stats", &xent::torch::detail::stats_entry);
+  m.impl("linear_cross_entropy", &xent::torch::detail::linear_entry);
 }
 
 TORCH_LIBRARY_IMPL(xent, CPU, m) {
   xent::torch::detail::register_kernels(m);
+  xent::torch::detail::register_linear_kernels(m);
 }
 
 TORCH_LIBRARY_IMPL(xent, CUDA, m) {
   xent::torch::detail::register_kernels(m);
+  xent::torch::detail::register_linear_kernels(m);
 }
