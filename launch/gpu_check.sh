@@ -8,7 +8,10 @@
 # subset (the device exchange of 2 ranks sharing GPU 0 among it).
 # Logs go to $XENT_LOGS/<build>/ (default: gpu-logs/); XENT_GPU_BUILDS chooses the builds
 # ("default 80" by default: each word "default" or a CMAKE_CUDA_ARCHITECTURES value);
-# XENT_SANITIZE=0 skips the sanitizers and XENT_CMAKE_ARGS adds configure arguments.
+# XENT_GPU_STEPS chooses the steps ("build test sanitize" by default: a machine whose commands
+# are time-limited can run them one call each, the build folders kept between calls);
+# XENT_CTEST_ARGS adds ctest arguments (say -R or -E), XENT_SANITIZE=0 skips the sanitizers and
+# XENT_CMAKE_ARGS adds configure arguments.
 # Usage: bash launch/gpu_check.sh
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,6 +28,8 @@ source "$root/launch/torch.sh"
 torch_args=$(xent_torch_cmake_args)
 status=0
 
+step() { [[ " ${XENT_GPU_STEPS:-build test sanitize} " == *" $1 "* ]]; }
+
 # check_build <default|architectures>
 check_build() {
   local name=default build=$root/build arch_args=()
@@ -35,16 +40,20 @@ check_build() {
   fi
   local logs=$logs_root/$name
   mkdir -p "$logs"
-  echo "== build $name (${build#$root/})"
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${arch_args[@]}" \
-    $torch_args ${XENT_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
-    { tail -n 40 "$logs/configure.log"; status=1; return; }
-  grep -E "xent: CUDA architectures" "$logs/configure.log"
-  cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
-    { grep -E "error" -A3 "$logs/build.log" | head -60; status=1; return; }
-  (cd "$build" && ctest --output-on-failure -j 4 --timeout 600) >"$logs/ctest.log" 2>&1 || status=1
-  tail -n 15 "$logs/ctest.log"
-  if [ "$ngpu" -ge 2 ]; then
+  if step build; then
+    echo "== build $name (${build#$root/})"
+    cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${arch_args[@]}" \
+      $torch_args ${XENT_CMAKE_ARGS:-} >"$logs/configure.log" 2>&1 ||
+      { tail -n 40 "$logs/configure.log"; status=1; return; }
+    grep -E "xent: CUDA architectures" "$logs/configure.log"
+    cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1 ||
+      { grep -E "error" -A3 "$logs/build.log" | head -60; status=1; return; }
+  fi
+  if step test; then
+    (cd "$build" && ctest --output-on-failure -j 4 --timeout 600 ${XENT_CTEST_ARGS:-}) >"$logs/ctest.log" 2>&1 || status=1
+    tail -n 15 "$logs/ctest.log"
+  fi
+  if step test && [ "$ngpu" -ge 2 ]; then
     echo "== dist tests over NCCL, $ngpu ranks"
     XENT_TEST_BACKEND=cuda mpirun -np "$ngpu" --oversubscribe "$build/dist_tests/xent_dist_tests" \
       >"$logs/dist_nccl.log" 2>&1 || status=1
@@ -59,7 +68,7 @@ check_build() {
       "$build/dist_tests/xent_dist_tests" >"$logs/dist_nccl_exchange.log" 2>&1 || status=1
     grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl_exchange.log" | sort | uniq -c
   fi
-  [ "${XENT_SANITIZE:-1}" = 0 ] && return
+  { [ "${XENT_SANITIZE:-1}" = 0 ] || ! step sanitize; } && return
   echo "== compute-sanitizer ($name)"
   XENT_LOGS=$logs bash "$root/launch/sanitize.sh" "$build" || status=1
 }
