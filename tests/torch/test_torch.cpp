@@ -370,6 +370,42 @@ TEST(TorchAutograd, GradientOutputScalesAndNoneReduction) {
   }
 }
 
+// The fused lm head's C++ entry (xent::torch::linear_cross_entropy, CPU backend) against
+// PyTorch's matmul and cross_entropy in float64, with a per-row grad_output, both modes; the
+// logits never pass through the caller.
+TEST(TorchLinear, MatchesMatmulAndCrossEntropyWithAutograd) {
+  const int64_t n = 12, h = 10, v = 23;
+  const at::Tensor h0 = at::randn({n, h}, at::kDouble);
+  const at::Tensor w0 = at::randn({v, h}, at::kDouble) * 0.5;
+  at::Tensor y = at::randint(0, v, {n}, at::kLong);
+  y[4] = -100;
+  const at::Tensor go = at::rand({n}, at::kDouble);
+  const at::Tensor hr = h0.clone().requires_grad_(), wr = w0.clone().requires_grad_();
+  const at::Tensor ref = xtt::F::cross_entropy(
+      at::matmul(hr, wr.t()), y, xtt::F::CrossEntropyFuncOptions().reduction(::torch::kNone));
+  (ref * go).sum().backward();
+  for (const xent::GradMode mode : {xent::GradMode::fused, xent::GradMode::deferred}) {
+    SCOPED_TRACE(xent::to_string(mode));
+    const at::Tensor hx = h0.to(at::kFloat).requires_grad_();
+    const at::Tensor wx = w0.to(at::kFloat).requires_grad_();
+    xent::torch::LinearCrossEntropyOptions o;
+    o.loss.grad_mode = mode;
+    o.loss.reduction = xent::Reduction::none;
+    o.chunk_rows = 5;  // three chunks, the last one short
+    const at::Tensor l = xent::torch::linear_cross_entropy(hx, wx, y, kNoGroup, o);
+    EXPECT_TRUE(matches(l, ref.detach(), 1e-5, "loss"));
+    (l * go.to(at::kFloat)).sum().backward();
+    EXPECT_TRUE(matches(hx.grad(), hr.grad(), 2e-5, "d_hidden"));
+    EXPECT_TRUE(matches(wx.grad(), wr.grad(), 2e-5, "d_weight"));
+  }
+  xent::torch::LinearCrossEntropyOptions o;
+  expect_error(
+      [&] {
+        xent::torch::linear_cross_entropy(h0.to(at::kFloat), w0.to(at::kFloat).t(), y, kNoGroup, o);
+      },
+      {"hidden", "weight"});
+}
+
 // ------------------------------------------------------------------------------ bad input
 
 TEST(TorchErrors, NameTheArgumentAndTheValue) {
