@@ -1,4 +1,5 @@
-// DeviceScope: the group's device, current for one call (src/group.cpp, api.cpp, layout.cpp).
+// DeviceScope: the group's (or a device's) device, current for one call (src/group.cpp, api.cpp,
+// layout.cpp, cuda::check_device).
 #pragma once
 
 #include "error.h"
@@ -10,11 +11,12 @@ namespace xent {
 // enqueue does: a call on another device's group neither launches nor allocates on the wrong one.
 class DeviceScope {
  public:
-  explicit DeviceScope(const Group& group) {
-    if (group.backend() != Backend::cuda || group.device() < 0) return;
+  explicit DeviceScope(const Group& group) : DeviceScope(group.backend(), group.device()) {}
+  DeviceScope(Backend backend, int device) {
+    if (backend != Backend::cuda || device < 0) return;
     check_cuda(cudaGetDevice(&saved_), "cudaGetDevice");
-    if (saved_ == group.device()) return;
-    check_cuda(cudaSetDevice(group.device()), "cudaSetDevice (the group's device)");
+    if (saved_ == device) return;
+    check_cuda(cudaSetDevice(device), "cudaSetDevice (the group's device)");
     switched_ = true;
   }
   ~DeviceScope() {

@@ -5,6 +5,7 @@
 
 #include "backend.h"
 #include "cuda/launch.cuh"
+#include "device_scope.h"
 #include "error.h"
 
 namespace xent::cuda {
@@ -72,7 +73,7 @@ int image_arch(int dev, int major, int minor) {
 }  // namespace
 
 DeviceInfo device_info() {
-  static PerDevice cache;  // ((sms * 256 + image_arch) * 4 + fast_memory * 2 + pdl
+  static PerDevice cache;  // sms * 4 + fast_memory * 2 + pdl
   const int dev = current_device();
   const int v = cache.get(dev, [dev] {
     const int sms = attribute(cudaDevAttrMultiProcessorCount, dev, "MultiProcessorCount");
@@ -90,9 +91,9 @@ DeviceInfo device_info() {
     const double per_clock =
         sm_khz > 0.0 && sms > 0 ? mem_khz * bus_bits * 2.0 / 8.0 / (sm_khz * sms) : 0.0;
     const bool hopper_paths = major >= 9 && arch >= 90;
-    return ((sms * 256 + arch) * 4) + (per_clock > 16.0 ? 2 : 0) + (hopper_paths ? 1 : 0);
+    return sms * 4 + (per_clock > 16.0 ? 2 : 0) + (hopper_paths ? 1 : 0);
   });
-  return DeviceInfo{v / 1024, (v / 4) % 256, (v & 1) != 0, (v & 2) != 0};
+  return DeviceInfo{v / 4, (v & 1) != 0, (v & 2) != 0};
 }
 
 void launch_failed(const char* name, cudaError_t e) {
@@ -112,16 +113,8 @@ void check_shape(const core::Problem& p, LogitsView logits, const char* name) {
 }  // namespace detail
 
 void check_device(int device) {
-  int saved = 0;
-  check_cuda(cudaGetDevice(&saved), "cudaGetDevice");
-  if (saved != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  try {
-    detail::device_info();
-  } catch (...) {
-    if (saved != device) cudaSetDevice(saved);
-    throw;
-  }
-  if (saved != device) cudaSetDevice(saved);
+  const DeviceScope on_device(Backend::cuda, device);
+  detail::device_info();
 }
 
 int device_count() {

@@ -47,7 +47,6 @@ int current_device();
 // device) stands for all of them.
 struct DeviceInfo {
   int sms;
-  int image_arch;    // the loaded image's architecture, as __CUDA_ARCH__ / 10 (80, 90, 100, ...)
   bool pdl;          // and clusters: both the device and the image are of 9.0 or newer
   bool fast_memory;  // more than 16 bytes of memory bandwidth per multiprocessor clock
 };

@@ -133,6 +133,27 @@ void call_scale_inplace(const OpArgs& a, const at::Tensor& grad, const at::Tenso
           a.softcap, a.reduction, a.vocab_start, a.vocab_size, a.grad_scale);
 }
 
+// [..., cols] as [rows, cols] with a unit column stride and rows that do not overlap, as the
+// core's views take it: a view where the tensor is one already (any contiguous tensor, a column
+// slice of a wider one), else a copy (the transpose of [seq, batch, cols], an expanded tensor),
+// made once here (autograd tracks both, so a gradient flows back to the caller's tensor).
+at::Tensor as_rows(const at::Tensor& t) {
+  const at::Tensor m = t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+  const bool unit = m.size(1) == 1 || m.stride(1) == 1;
+  const bool apart = m.size(0) <= 1 || m.stride(0) >= m.size(1);
+  return unit && apart ? m : m.contiguous();
+}
+
+void check_targets(const at::Tensor& target, const at::Tensor& input, const char* input_has,
+                   const char* inputs) {
+  XENT_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+             "target must hold int64 or int32 class indices, got ", target.scalar_type());
+  const at::IntArrayRef rows = input.sizes().slice(0, input.dim() - 1);
+  XENT_CHECK(target.sizes() == rows, "target has shape ", target.sizes(), " but ", input_has,
+             " shape ", input.sizes(), ": target must have ", inputs,
+             " shape without the last dimension (", rows, "), one class index per row");
+}
+
 namespace {
 
 using ::torch::autograd::Node;
@@ -159,27 +180,9 @@ void check_inputs(const at::Tensor& logits, const at::Tensor& target) {
   XENT_CHECK(cols == 1 || logits.stride(-1) == 1,
              "logits must be contiguous in the last (vocabulary) dimension, got strides ",
              logits.strides(), " for shape ", logits.sizes(), " (call .contiguous())");
-  XENT_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-             "target must hold int64 or int32 class indices, got ", target.scalar_type());
-  XENT_CHECK(target.sizes() == logits.sizes().slice(0, logits.dim() - 1), "target has shape ",
-             target.sizes(), " but logits have shape ", logits.sizes(),
-             ": target must have the logits' shape without the last dimension (",
-             logits.sizes().slice(0, logits.dim() - 1), "), one class index per row");
+  check_targets(target, logits, "logits have", "the logits'");
   XENT_CHECK(target.device() == logits.device(), "target is on ", target.device(),
              " but logits are on ", logits.device(), ": both must be on the same device");
-}
-
-// [..., cols] as [rows, cols]: a view where the leading dimensions collapse into one row stride
-// (any contiguous tensor, a column slice of a wider one), else a copy (e.g. the transpose of
-// [seq, batch, cols]), made once here.
-at::Tensor as_rows(const at::Tensor& logits) {
-  if (logits.dim() == 2) {
-    if (logits.size(0) <= 1 || logits.stride(0) >= logits.size(1)) return logits;
-    return logits.contiguous();  // rows overlap (e.g. an expanded tensor)
-  }
-  const at::Tensor flat = logits.reshape({-1, logits.size(-1)});
-  if (flat.size(0) <= 1 || flat.stride(0) >= flat.size(1)) return flat;
-  return flat.contiguous();
 }
 
 // The loss's autograd node, written as PyTorch's generated nodes are (NllLossBackward0): a

@@ -122,6 +122,15 @@ StatsOut stats_entry(const at::Tensor& logits, const at::Tensor& target,
                      int64_t vocab_size, c10::string_view grad_mode, bool inplace_grad,
                      bool compute_accuracy, double grad_scale);
 
+// [..., cols] as [rows, cols] with a unit column stride and rows that do not overlap (what the
+// core's views take): a view where possible, else one copy (function.cpp).
+at::Tensor as_rows(const at::Tensor& t);
+// target's checks against the input whose rows it labels: int64 or int32, and input's shape
+// without the last dimension. input_has / inputs name it in the message ("logits have", "the
+// logits'").
+void check_targets(const at::Tensor& target, const at::Tensor& input, const char* input_has,
+                   const char* inputs);
+
 // The whole call on N-D logits (every public entry point ends here): shapes and types checked,
 // leading dimensions flattened, the autograd node attached when a gradient is wanted.
 CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const OpArgs& args,

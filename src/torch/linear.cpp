@@ -144,22 +144,7 @@ void check_linear_inputs(const at::Tensor& hidden, const at::Tensor& weight,
              ": they must be equal (the hidden size; weight is [V_local, H])");
   XENT_CHECK(weight.size(0) >= 1, "weight.shape[0] = 0: must be >= 1 (this rank's rows of the ",
              "vocabulary)");
-  XENT_CHECK(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
-             "target must hold int64 or int32 class indices, got ", target.scalar_type());
-  const at::IntArrayRef rows = hidden.sizes().slice(0, hidden.dim() - 1);
-  XENT_CHECK(target.sizes() == rows, "target has shape ", target.sizes(), " but hidden has shape ",
-             hidden.sizes(), ": target must have hidden's shape without the last dimension (", rows,
-             "), one class index per row");
-}
-
-// [..., cols] as the core's MatrixView takes it, [rows, cols] with a unit column stride and rows
-// that do not overlap: a view where the tensor is one already (any row stride), else a copy,
-// made once here (autograd tracks both, so the gradient flows back to the caller's tensor).
-at::Tensor as_matrix(const at::Tensor& t) {
-  const at::Tensor m = t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
-  const bool unit = m.size(1) == 1 || m.stride(1) == 1;
-  const bool apart = m.size(0) <= 1 || m.stride(0) >= m.size(1);
-  return unit && apart ? m : m.contiguous();
+  check_targets(target, hidden, "hidden has", "hidden's");
 }
 
 // The loss's autograd node, written as PyTorch's generated nodes are (see function.cpp). Edges:
@@ -236,7 +221,7 @@ at::Tensor run_linear(const at::Tensor& hidden_in, const at::Tensor& weight_in,
   XENT_CHECK(args.grad_scale == 1.0 || mode == GradMode::fused, "grad_scale = ", args.grad_scale,
              " with grad_mode = ", to_string(mode),
              ": grad_scale applies to grad_mode = fused only; leave it at 1");
-  const at::Tensor hidden = as_matrix(hidden_in), weight = as_matrix(weight_in);
+  const at::Tensor hidden = as_rows(hidden_in), weight = as_rows(weight_in);
   const at::Tensor target = target_in.reshape({-1}).contiguous();
   const bool grad_on = mode != GradMode::none && ::torch::autograd::GradMode::is_enabled();
   const bool need_dh = grad_on && hidden.requires_grad();

@@ -18,7 +18,7 @@
 namespace xent::torch::detail {
 namespace {
 
-// A 2-D tensor with a unit column stride (linear.cpp's as_matrix made it so).
+// A 2-D tensor with a unit column stride (function.cpp's as_rows made it so).
 MatrixView matrix_of(const at::Tensor& t) {
   const at::ScalarType s = t.scalar_type();
   MatrixView v;
