@@ -19,13 +19,9 @@ namespace {
 using xtest::LinearCase;
 using xtest::run_linear;
 
-class DistLinear : public Dist {
- protected:
-  void SetUp() override {
-    Dist::SetUp();
-    if (env().cuda) GTEST_SKIP() << "the fused lm head is not yet on the CUDA backend";
-  }
-};
+// Every backend: on CUDA (ranks sharing a GPU through xent::mpi::cuda_group, or one GPU each
+// over NCCL) run_linear stages its buffers on the device.
+using DistLinear = Dist;
 
 // 12 rows per rank (chunks of 5: the last holds 2), uneven shards of 90 columns, the last
 // rank's last 5 are padding.
@@ -147,21 +143,6 @@ TEST_F(DistLinear, RanksDisagree) {
   }
   EXPECT_THAT(msg, HasSubstr("every rank must make the same chunks"));
   run_linear(g(), make(size(), true, GradMode::deferred, 307));  // the group still works
-}
-
-TEST_F(Dist, LinearRefusedOnCuda) {
-  if (!env().cuda) GTEST_SKIP() << "a CPU group: DistLinear runs";
-  std::vector<float> loss(1);
-  xent::LinearOutputs out;
-  out.loss = loss.data();
-  const xent::MatrixView hidden{nullptr, DType::f32, 0, 8, 8}, weight{nullptr, DType::f32, 4, 8, 8};
-  try {
-    xent::linear_forward(g(), hidden, weight, xent::TargetsView{}, xent::Options{},
-                         xent::LinearOptions{}, out, env().stream);
-    ADD_FAILURE() << "linear_forward on a CUDA group did not throw";
-  } catch (const xent::Error& e) {
-    EXPECT_THAT(e.what(), HasSubstr("not yet on the CUDA backend"));
-  }
 }
 
 }  // namespace

@@ -102,11 +102,17 @@ void stats(const core::Problem& p, LogitsView logits, TargetsView targets, float
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
               const Outputs& out, float* lse, float* scalars, unsigned long long* partials,
               cudaStream_t stream);
+// As cpu::gradient; out may also be bf16 or f16 where in is f32 (the fused lm head's chunks).
 void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
               const float* lse, const float* scalars, const float* grad_output, cudaStream_t stream,
               GradRows rows = GradRows::all);
 void scale_rows(const core::Problem& p, LogitsView grad, const float* grad_output,
                 cudaStream_t stream);
+// The fused lm head's reduction of rows that finalize (Reduction::none) wrote chunk by chunk:
+// out.loss[0] (p.reduction mean or sum) and out.accuracy from every row's loss, target and
+// argmax (null without accuracy), and scalars as finalize writes them. One block, a fixed order.
+void reduce_rows(const core::Problem& p, TargetsView targets, const float* row_loss,
+                 const int64_t* argmax, const Outputs& out, float* scalars, cudaStream_t stream);
 // exchange_header: the device exchange's header in this rank's peer memory (cuda/exchange.cuh):
 // its call counter is advanced and its row tickets zeroed here before the exchange's kernels;
 // null elsewhere.

@@ -10,10 +10,8 @@
 
 namespace xent {
 
-namespace {
-
-// A small collective on host values, whatever the backend (setup and CPU calls only: it
-// synchronises the device for CUDA groups).
+// Setup and CPU calls (and the fused lm head's header on CUDA with several ranks): it
+// synchronises the device for CUDA groups.
 void gather_on_host(const Group& group, const void* mine, void* all, size_t bytes) {
   Communicator& c = group.comm();
   if (c.backend() == Backend::cpu) {
@@ -35,8 +33,6 @@ void gather_on_host(const Group& group, const void* mine, void* all, size_t byte
   }
   cudaFree(dev);
 }
-
-}  // namespace
 
 void exchange_and_check(const Group& group, const core::LayoutHeader& mine, bool tiling) {
   std::vector<core::LayoutHeader> all(group.size());

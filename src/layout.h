@@ -10,4 +10,8 @@ namespace xent {
 // rows, options, dtype and targets; `tiling`: the shards must tile [0, total width) in order.
 void exchange_and_check(const Group& group, const core::LayoutHeader& mine, bool tiling);
 
+// A small collective on host values, whatever the backend: every rank's `bytes` at `mine` into
+// `all`, rank order. For CUDA groups it stages through device memory and synchronises.
+void gather_on_host(const Group& group, const void* mine, void* all, size_t bytes);
+
 }  // namespace xent

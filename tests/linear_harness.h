@@ -32,6 +32,20 @@ namespace xtest {
 // ulp, and the tolerance allows one (2^-7 or 2^-10 relative to the value) on top.
 constexpr double kLinearRtol = 5e-6;
 
+// The CUDA backend rounds the gradient of the logits to the inputs' dtype before the two GEMMs
+// that consume it (16-bit tensor-core GEMMs, as the unfused path's): each g_ij then carries a
+// relative error of at most half an ulp (2^-8 in bf16, 2^-11 in f16), or an absolute one of half
+// the subnormal spacing where it is tiny (2^-134, 2^-25), which adds g_rtol x the magnitude and
+// g_atol x sum_j |w_jh| (or sum_i |x_ih|) to an element's error. 0 where the gradient is fp32.
+struct GradRounding {
+  double rtol = 0.0, atol = 0.0;
+};
+inline GradRounding grad_rounding(xent::Backend b, xent::DType inputs) {
+  if (b == xent::Backend::cpu || inputs == xent::DType::f32) return {};
+  if (inputs == xent::DType::bf16) return {std::ldexp(1.0, -8), std::ldexp(1.0, -134)};
+  return {std::ldexp(1.0, -11), std::ldexp(1.0, -25)};
+}
+
 inline double out_rtol(xent::DType d) {
   return d == xent::DType::f32 ? 0.0 : grad_rtol(d);
 }
@@ -45,6 +59,8 @@ struct LinearRef {
   Matrix d_weight;  // [Vpad, H]; rows past vocab_size 0
   Matrix dh_mag;    // [rows, H]: sum_j |g_ij w_jh|
   Matrix dw_mag;    // [Vpad, H]: sum_i |g_ij x_ih|
+  Matrix dh_abs;    // [rows, H]: sum_j |w_jh| over the rows with a gradient
+  Matrix dw_abs;    // [Vpad, H]: sum_i |x_ih| over the rows with a gradient
 };
 
 inline LinearRef linear_reference(const Matrix& hidden, const Matrix& weight,
@@ -65,6 +81,8 @@ inline LinearRef linear_reference(const Matrix& hidden, const Matrix& weight,
   ref.dh_mag = Matrix(N, H, 0.0);
   ref.d_weight = Matrix(Vpad, H, 0.0);
   ref.dw_mag = Matrix(Vpad, H, 0.0);
+  ref.dh_abs = Matrix(N, H, 0.0);
+  ref.dw_abs = Matrix(Vpad, H, 0.0);
   for (int64_t i = 0; i < N; ++i)
     for (int64_t j = 0; j < V; ++j) {
       const double g = ref.r.grad.at(i, j);
@@ -73,6 +91,8 @@ inline LinearRef linear_reference(const Matrix& hidden, const Matrix& weight,
         ref.dh_mag.at(i, h) += std::fabs(g * weight.at(j, h));
         ref.d_weight.at(j, h) += g * hidden.at(i, h);
         ref.dw_mag.at(j, h) += std::fabs(g * hidden.at(i, h));
+        ref.dh_abs.at(i, h) += std::fabs(weight.at(j, h));
+        ref.dw_abs.at(j, h) += std::fabs(hidden.at(i, h));
       }
     }
   return ref;
@@ -103,14 +123,17 @@ inline RefResult rows_of(const RefResult& r, int64_t r0, int64_t n) {
 // receives the largest |got - want| / mag seen (where mag > 0).
 inline ::testing::AssertionResult matrix_matches(const char* what, const HostLogits& got,
                                                  const Matrix& want, const Matrix& mag,
-                                                 int64_t row0, double* worst = nullptr) {
+                                                 int64_t row0, double* worst = nullptr,
+                                                 const Matrix* abs_mag = nullptr,
+                                                 GradRounding gr = {}) {
   int bad = 0;
   std::ostringstream msg;
   for (int64_t i = 0; i < got.rows; ++i) {
     for (int64_t j = 0; j < got.cols; ++j) {
       const double w = want.at(row0 + i, j), m = mag.at(row0 + i, j), have = got.get(i, j);
       const double err = std::fabs(have - w);
-      const double lim = out_rtol(got.dtype) * std::fabs(w) + kLinearRtol * m;
+      const double lim = out_rtol(got.dtype) * std::fabs(w) + (kLinearRtol + gr.rtol) * m +
+                         (abs_mag != nullptr ? gr.atol * abs_mag->at(row0 + i, j) : 0.0);
       if (worst != nullptr && m > 0.0 && got.dtype == xent::DType::f32)
         *worst = std::max(*worst, err / m);
       if (!(err <= lim)) {  // NaN-safe
@@ -134,6 +157,50 @@ inline ::testing::AssertionResult matrix_matches(const char* what, const HostLog
 inline xent::MatrixView matrix_view(HostLogits& m) {
   return xent::MatrixView{m.rows > 0 ? m.bytes.data() : nullptr, m.dtype, m.rows, m.cols, m.stride};
 }
+
+// ------------------------------------------------------------------------------------------
+// The CUDA backend's buffers: each host buffer copied to the device once (the same device copy
+// for the same host pointer), the call made on device pointers, every buffer copied back.
+
+class Staging {
+ public:
+  explicit Staging(bool on) : on_(on) {}
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    for (const Buf& b : bufs_) cudaFree(b.dev);
+  }
+  template <typename T>
+  T* operator()(T* host, size_t bytes) {
+    if (!on_ || host == nullptr) return host;
+    for (const Buf& b : bufs_)
+      if (b.host == host) return static_cast<T*>(b.dev);
+    Buf b{const_cast<void*>(static_cast<const void*>(host)), nullptr, bytes};
+    EXPECT_EQ(cudaMalloc(&b.dev, bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(b.dev, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    bufs_.push_back(b);
+    return static_cast<T*>(b.dev);
+  }
+  xent::MatrixView operator()(xent::MatrixView v, HostLogits& m) {
+    v.data = (*this)(v.data, m.bytes.size());
+    return v;
+  }
+  void copy_back() {
+    if (!on_) return;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (const Buf& b : bufs_)
+      EXPECT_EQ(cudaMemcpy(b.host, b.dev, b.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  struct Buf {
+    void* host;
+    void* dev;
+    size_t bytes;
+  };
+  bool on_;
+  std::vector<Buf> bufs_;
+};
 
 // ------------------------------------------------------------------------------------------
 // One rank's call against the reference
@@ -235,17 +302,35 @@ inline LinearGot run_linear(const xent::Group& g, const LinearCase& c) {
     out.d_hidden = grads_out.d_hidden;
     out.d_weight = grads_out.d_weight;
   }
-  const xent::MatrixView hv = matrix_view(hb), wv = matrix_view(wb);
-  xent::linear_forward(g, hv, wv, tg.view(), opt, c.lopt, out);
-  if (deferred) {
-    std::vector<float> go(c.grad_output.begin(), c.grad_output.end());
-    if (go.size() == static_cast<size_t>(N)) go.assign(go.begin() + r0, go.begin() + r0 + Nk);
-    xent::linear_backward(g, hv, wv, tg.view(), got.lse.data(), go.empty() ? nullptr : go.data(),
-                          opt, c.lopt, grads_out);
+  // CUDA: the same buffers on the device.
+  const bool cuda = g.backend() == xent::Backend::cuda;
+  Staging dev(cuda);
+  const auto floats = [](const std::vector<float>& v) { return sizeof(float) * v.size(); };
+  out.loss = dev(out.loss, floats(got.loss));
+  out.lse = dev(out.lse, floats(got.lse));
+  out.z_loss = dev(out.z_loss, floats(zl));
+  out.argmax = dev(out.argmax, sizeof(int64_t) * am.size());
+  out.accuracy = dev(out.accuracy, floats(acc));
+  for (xent::LinearOutputs* o : {&out, &grads_out}) {
+    if (o->d_hidden.data != nullptr) o->d_hidden = dev(o->d_hidden, dh);
+    if (o->d_weight.data != nullptr) o->d_weight = dev(o->d_weight, dw);
   }
+  xent::TargetsView tv = tg.view();
+  tv.data = dev(tv.data, tg.bytes());
+  const xent::MatrixView hv = dev(matrix_view(hb), hb), wv = dev(matrix_view(wb), wb);
+  xent::linear_forward(g, hv, wv, tv, opt, c.lopt, out);
+  std::vector<float> go(c.grad_output.begin(), c.grad_output.end());
+  if (deferred) {
+    if (go.size() == static_cast<size_t>(N)) go.assign(go.begin() + r0, go.begin() + r0 + Nk);
+    xent::linear_backward(g, hv, wv, tv, dev(got.lse.data(), floats(got.lse)),
+                          go.empty() ? nullptr : dev(go.data(), floats(go)), opt, c.lopt,
+                          grads_out);
+  }
+  dev.copy_back();
   got.loss.resize(nloss);
   got.lse.resize(Nk);
 
+  const GradRounding gr = grad_rounding(g.backend(), c.dtype);
   const std::string where = "rank " + std::to_string(rank) + " of " + std::to_string(ranks) +
                             (sp ? ", sequence parallel" : "");
   GotOutputs o;
@@ -266,13 +351,15 @@ inline LinearGot run_linear(const xent::Group& g, const LinearCase& c) {
     return got;
   }
   if (c.want_d_hidden) {
-    EXPECT_TRUE(matrix_matches("d_hidden", dh, ref.d_hidden, ref.dh_mag, r0, &got.worst_dh))
+    EXPECT_TRUE(matrix_matches("d_hidden", dh, ref.d_hidden, ref.dh_mag, r0, &got.worst_dh,
+                               &ref.dh_abs, gr))
         << where;
     for (int64_t i = 0; i < Nk; ++i)
       for (int64_t h = 0; h < H; ++h) got.d_hidden.push_back(static_cast<float>(dh.get(i, h)));
   }
   if (c.want_d_weight)
-    EXPECT_TRUE(matrix_matches("d_weight", dw, dw_want, dw_mag, shard.start, &got.worst_dw))
+    EXPECT_TRUE(matrix_matches("d_weight", dw, dw_want, dw_mag, shard.start, &got.worst_dw,
+                               &ref.dw_abs, gr))
         << where << ", shard [" << shard.start << ", " << shard.start + shard.width << ")";
   return got;
 }

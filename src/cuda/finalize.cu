@@ -145,6 +145,28 @@ __global__ void __launch_bounds__(kCountThreads)
   }
 }
 
+// The fused lm head's reduction: its chunks were finalized row by row (Reduction::none, into
+// row_loss), and the totals of all rows are reduced here once, in a fixed order, as finalize's
+// last block reduces its partials.
+__global__ void __launch_bounds__(kCountThreads)
+    reduce_rows_kernel(const core::Problem p, const TargetsView targets, const float* row_loss,
+                       const int64_t* argmax, const FinalizeOut o) {
+  using Reduce = cub::BlockReduce<Totals, kCountThreads>;
+  __shared__ typename Reduce::TempStorage smem;
+  pdl_trigger();
+  pdl_wait();
+  Totals mine{0.0, 0ull, 0ull};
+  for (int64_t row = threadIdx.x; row < p.rows; row += kCountThreads) {
+    const int64_t y = core::load_target(targets.data, targets.type, row);
+    if (y == p.ignore_index) continue;
+    mine.loss += static_cast<double>(row_loss[row]);
+    mine.valid += 1;
+    if (argmax != nullptr && argmax[row] == y) mine.correct += 1;
+  }
+  const Totals all = Reduce(smem).Reduce(mine, AddTotals{});
+  if (threadIdx.x == 0) write_totals(p, o, all);
+}
+
 }  // namespace
 
 void finalize(const core::Problem& p, TargetsView targets, const float* gathered, int ranks,
@@ -165,6 +187,12 @@ void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cu
   // Launched for rows = 0 too: the scalars are still written.
   launch("xent count_valid kernel", count_valid_kernel, 1, kCountThreads, p.programmatic_launch,
          stream, p, targets, scalars, exchange_header);
+}
+
+void reduce_rows(const core::Problem& p, TargetsView targets, const float* row_loss,
+                 const int64_t* argmax, const Outputs& out, float* scalars, cudaStream_t stream) {
+  launch("xent reduce_rows kernel", reduce_rows_kernel, 1, kCountThreads, p.programmatic_launch,
+         stream, p, targets, row_loss, argmax, FinalizeOut{out, nullptr, scalars, nullptr});
 }
 
 }  // namespace xent::cuda

@@ -10,6 +10,9 @@
 // factor is 1.
 #include <cuda_runtime.h>
 
+#include <string>
+#include <type_traits>
+
 #include "backend.h"
 #include "core/dtype.h"
 #include "cuda/launch.cuh"
@@ -28,12 +31,12 @@ struct GradPointers {
   bool rescaled_only;        // GradRows::rescaled
 };
 
-template <typename E, int kGroup, bool kCap>
+template <typename E, typename EO, int kGroup, bool kCap>
 __global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
     gradient_kernel(const core::Problem p, const LogitsView in, const LogitsView out,
                     const TargetsView targets, const GradPointers ptr) {
   using T = typename E::type;
-  using Walk = RowWalk<T, kGroup>;
+  using Walk = RowWalk<typename EO::type, kGroup>;
   pdl_trigger();
   pdl_wait();
   const int64_t g = group_index<kGroup>();
@@ -41,7 +44,7 @@ __global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
   const int64_t row = p.rows - 1 - g;  // last row first: it is the likeliest to be in L2
   const int t = group_lane<kGroup>();
   const T* x = static_cast<const T*>(in.data) + row * in.row_stride;
-  T* dx = static_cast<T*>(out.data) + row * out.row_stride;
+  typename EO::type* dx = static_cast<typename EO::type*>(out.data) + row * out.row_stride;
   const int n = static_cast<int>(p.cols);
 
   const core::RowFactor f = core::gradient_row_factor(
@@ -52,7 +55,8 @@ __global__ void __launch_bounds__(kBlock, RowPolicy::kGradBlocksPerSm)
     if (!ptr.rescaled_only) Walk::zero(dx, n, t);  // rescaled: forward zeroed it
     return;
   }
-  const GradAgent<E, kCap> grad(p, target, ptr.lse[row], ptr.scalars[Workspace::kScale] * f.factor);
+  const GradAgent<E, kCap, EO> grad(p, target, ptr.lse[row],
+                                    ptr.scalars[Workspace::kScale] * f.factor);
   Walk::transform(x, dx, n, t, grad);
 }
 
@@ -89,14 +93,23 @@ void gradient(const core::Problem& p, LogitsView in, LogitsView out, TargetsView
   check_shape(p, in);
   if (out.data != in.data) check_shape(p, out, "grad");
   const GradPointers ptr{lse, scalars, grad_output, rows == GradRows::rescaled};
+  // The gradient in the logits' dtype, or in 16 bits from fp32 logits (the fused lm head).
+  if (out.dtype != in.dtype && in.dtype != DType::f32)
+    fail(std::string("gradient: grad.dtype = ") + to_string(out.dtype) + " with logits.dtype = " +
+         to_string(in.dtype) + ": a gradient of another dtype needs f32 logits");
   core::dispatch_dtype(in.dtype, [&](auto e) {
     using E = decltype(e);
-    dispatch_group<typename E::type>(p.cols, [&](auto group) {
-      dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
-        launch("xent gradient kernel", gradient_kernel<E, group(), cap()>,
-               row_blocks<group()>(p.rows), kBlock, p.programmatic_launch, stream, p, in, out,
-               targets, ptr);
-      });
+    core::dispatch_dtype(in.dtype == out.dtype ? in.dtype : out.dtype, [&](auto eo) {
+      using EO = decltype(eo);
+      if constexpr (std::is_same_v<E, EO> || std::is_same_v<typename E::type, float>) {
+        dispatch_group<typename E::type>(p.cols, [&](auto group) {
+          dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
+            launch("xent gradient kernel", gradient_kernel<E, EO, group(), cap()>,
+                   row_blocks<group()>(p.rows), kBlock, p.programmatic_launch, stream, p, in, out,
+                   targets, ptr);
+          });
+        });
+      }
     });
   });
 }

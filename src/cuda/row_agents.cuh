@@ -333,8 +333,10 @@ __device__ __forceinline__ bool has_gradient(const core::Problem& p, int64_t tar
 }
 
 // d loss / d x of one element of a row whose target has a gradient: lse is the row's global
-// log-sum-exp, scale the reduction's scale times grad_output. Padding columns give 0.
-template <typename E, bool kCap>
+// log-sum-exp, scale the reduction's scale times grad_output. Padding columns give 0. The
+// gradient is stored as EO (the logits' own dtype, or a 16-bit one from fp32 logits: the fused
+// lm head's chunks, whose gradient feeds 16-bit GEMMs).
+template <typename E, bool kCap, typename EO = E>
 struct GradAgent {
   using T = typename E::type;
   core::GradCoef c;
@@ -352,10 +354,10 @@ struct GradAgent {
     if (l >= 0 && l < rc) tl = static_cast<int>(l);
   }
 
-  __device__ __forceinline__ T operator()(T v, int col) const {
+  __device__ __forceinline__ typename EO::type operator()(T v, int col) const {
     const core::CappedLogit z = core::cap_logit(E::load(v), k);
     const float g = core::grad_x(z.z, z.slope, col == tl, c);
-    return E::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
+    return EO::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
   }
 };
 

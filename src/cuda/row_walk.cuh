@@ -191,18 +191,22 @@ struct RowWalk {
   }
 
   // out[c] = f(in[c], c) for c in [0, n). Stores are 16-byte packs at out's alignment; loads
-  // too where in has the same alignment modulo 16 bytes (always so in place), else element
-  // loads. in == out is allowed (in place); otherwise the two must not overlap.
-  template <typename F>
-  static __device__ __forceinline__ void transform(const T* in, T* out, int n, int t, F&& f) {
+  // too where in has the same type and alignment modulo 16 bytes (always so in place), else
+  // element loads (in of another type: fp32 logits whose gradient is stored in 16 bits). in ==
+  // out is allowed (in place); otherwise the two must not overlap.
+  template <typename TI, typename F>
+  static __device__ __forceinline__ void transform(const TI* in, T* out, int n, int t, F&& f) {
     const RowSplit s = split_row(out, n);
     if (t < s.head) out[t] = f(in[t], t);
     if (t < n - s.tail0) out[s.tail0 + t] = f(in[s.tail0 + t], s.tail0 + t);
     uint4* q = reinterpret_cast<uint4*>(out + s.head);
-    if (((reinterpret_cast<uintptr_t>(in) ^ reinterpret_cast<uintptr_t>(out)) & 15u) == 0)
-      transform_body<true>(in + s.head, q, s, t, f);
-    else
-      transform_body<false>(in + s.head, q, s, t, f);
+    if constexpr (std::is_same_v<TI, T>) {
+      if (((reinterpret_cast<uintptr_t>(in) ^ reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
+        transform_body<true>(in + s.head, q, s, t, f);
+        return;
+      }
+    }
+    transform_body<false>(in + s.head, q, s, t, f);
   }
 
   // out[c] = +0 for c in [0, n) (all-zero bits are +0 in every dtype).
@@ -216,20 +220,23 @@ struct RowWalk {
   }
 
  private:
-  template <bool kAligned, typename F>
-  static __device__ __forceinline__ void transform_body(const T* xb, uint4* q, const RowSplit& s,
+  template <bool kAligned, typename TI, typename F>
+  static __device__ __forceinline__ void transform_body(const TI* xb, uint4* q, const RowSplit& s,
                                                         int t, F& f) {
     for (int i0 = t; i0 < s.nv; i0 += kGroup * kLoads) {
-      Pack<T> v[kLoads];
+      TI x[kLoads][kN];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         const int i = i0 + u * kGroup;
         if (i < s.nv) {
           if constexpr (kAligned) {
-            v[u].v = reinterpret_cast<const uint4*>(xb)[i];
+            Pack<T> v;
+            v.v = reinterpret_cast<const uint4*>(xb)[i];
+#pragma unroll
+            for (int e = 0; e < kN; ++e) x[u][e] = v.e[e];
           } else {
 #pragma unroll
-            for (int e = 0; e < kN; ++e) v[u].e[e] = xb[i * kN + e];
+            for (int e = 0; e < kN; ++e) x[u][e] = xb[i * kN + e];
           }
         }
       }
@@ -238,9 +245,10 @@ struct RowWalk {
         const int i = i0 + u * kGroup;
         if (i < s.nv) {
           const int col0 = s.head + i * kN;
+          Pack<T> v;
 #pragma unroll
-          for (int e = 0; e < kN; ++e) v[u].e[e] = f(v[u].e[e], col0 + e);
-          q[i] = v[u].v;
+          for (int e = 0; e < kN; ++e) v.e[e] = f(x[u][e], col0 + e);
+          q[i] = v.v;
         }
       }
     }

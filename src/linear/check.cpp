@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "core/math.h"
 #include "error.h"
+#include "layout.h"
 
 namespace xent::linear {
 
@@ -155,9 +156,13 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   const core::Problem& p = call.p;
   Header mine;
   mine.layout = core::make_header(p, opt, call.hidden.dtype);
-  // With sequence parallelism each rank holds its own targets: only their range is compared.
-  if (!call.sequence_parallel) mine.layout.targets_hash = core::hash_targets(p, call.targets);
-  for (int64_t r = 0; r < p.rows; ++r) {
+  // The targets are read on the host by the CPU backend alone: with sequence parallelism each
+  // rank holds its own, and only their range is compared. The CUDA backend's live on the device:
+  // it counts the valid rows there, and a target out of range gets a NaN loss (check_errors).
+  const bool host_targets = group.backend() == Backend::cpu;
+  if (!call.sequence_parallel && host_targets)
+    mine.layout.targets_hash = core::hash_targets(p, call.targets);
+  for (int64_t r = 0; host_targets && r < p.rows; ++r) {
     const int64_t y = core::load_target(call.targets.data, call.targets.type, r);
     if (y == p.ignore_index) continue;
     ++mine.valid_rows;
@@ -176,7 +181,12 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
 
   const int ranks = group.size();
   std::vector<Header> all(ranks);
-  group.comm().all_gather(&mine, all.data(), sizeof mine, nullptr);
+  // One CUDA rank exchanges nothing (no synchronisation); several stage the header through the
+  // device, a synchronisation per call, for the chunk plan that every rank must share.
+  if (ranks == 1)
+    all[0] = mine;
+  else
+    gather_on_host(group, &mine, all.data(), sizeof mine);
 
   expect_same(all, &Header::sequence_parallel, "LinearOptions::sequence_parallel",
               "every rank must pass the same", show_bool);

@@ -30,14 +30,16 @@ Call check_call(Pass pass, MatrixView hidden, MatrixView weight, TargetsView tar
                 const float* lse);
 
 struct Agreed {
-  int64_t valid_rows = 0;  // non-ignored rows of the whole problem (every rank's, with SP)
+  // Non-ignored rows of the whole problem (every rank's, with SP); the CPU backend's alone (the
+  // CUDA backend counts them on the device).
+  int64_t valid_rows = 0;
   ChunkPlan plan;
 };
 
-// Collective, on host memory (the CPU backend): exchanges a header of the call and throws on
-// every rank alike where the ranks disagree (rows, hidden's width and dtype, options, chunks,
-// the layout of the shards, the targets without sequence parallelism) or a target is out of
-// range; then plans the chunks.
+// Collective, on host values: exchanges a header of the call and throws on every rank alike where
+// the ranks disagree (rows, hidden's width and dtype, options, chunks, the layout of the shards;
+// on the CPU backend also the targets without sequence parallelism, and a target out of range);
+// then plans the chunks. One rank exchanges nothing; several on CUDA synchronise the device.
 Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt);
 
 }  // namespace xent::linear

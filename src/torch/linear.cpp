@@ -126,9 +126,8 @@ void check_linear_inputs(const at::Tensor& hidden, const at::Tensor& weight,
              "hidden must be float32, bfloat16 or float16, got ", dt);
   XENT_CHECK(weight.scalar_type() == dt, "weight is ", weight.scalar_type(), " but hidden is ", dt,
              ": both must have the same dtype");
-  XENT_CHECK(hidden.device().is_cpu(), "hidden is on ", hidden.device(),
-             ": the fused lm head runs on the CPU backend only for now (CPU tensors, and a group "
-             "with a CPU backend such as Gloo)");
+  XENT_CHECK(hidden.device().is_cpu() || hidden.device().is_cuda(), "hidden is on ",
+             hidden.device(), ": the fused lm head takes CPU or CUDA tensors");
   XENT_CHECK(weight.device() == hidden.device() && target.device() == hidden.device(),
              "weight is on ", weight.device(), " and target on ", target.device(),
              " but hidden is on ", hidden.device(), ": all three must be on the same device");

@@ -2,7 +2,7 @@
 // _linear_backward and _linear_backward_fused (schemas in op.cpp): each one call into the core's
 // linear_forward or linear_backward (xent/linear.h) on hidden [rows, H], weight [V_local, H] and
 // target [rows], the outputs allocated with torch. The caller (linear.cpp) has checked shapes and
-// types; the core checks the rest, and refuses a CUDA group (CPU backend only, for now).
+// types; the core checks the rest.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/core/DeviceGuard.h>
@@ -78,16 +78,23 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go, const OpArgs& 
 }
 
 // Whether forward's gradients (computed for grad_output = grad_scale) are final: grad_output
-// (null: 1) equals grad_scale in every element, on every rank. The recompute is a collective,
-// so the ranks agree first (an all-gather of one byte each). CPU tensors are compared on the
-// host; the CUDA phase replaces this one function with a check on the device.
-bool forward_gradients_final(const Group& g, const float* go, int64_t n, float grad_scale) {
-  const uint8_t mine = go == nullptr
-                           ? grad_scale == 1.0f
-                           : std::all_of(go, go + n, [&](float v) { return v == grad_scale; });
+// (undefined: 1) equals grad_scale in every element, on every rank. The recompute is a
+// collective, so the ranks agree first (an all-gather of one byte each). CUDA tensors are
+// compared on the device and the verdict read back: one synchronisation, in backward.
+bool forward_gradients_final(const Group& g, const at::Tensor& go, float grad_scale,
+                             cudaStream_t stream) {
+  const uint8_t mine =
+      !go.defined() || go.numel() == 0 ? grad_scale == 1.0f : go.eq(grad_scale).all().item<bool>();
   if (g.size() == 1) return mine != 0;
   std::vector<uint8_t> all(static_cast<size_t>(g.size()));
-  core_call([&] { g.comm().all_gather(&mine, all.data(), 1, nullptr); });
+  if (g.backend() == Backend::cpu) {
+    core_call([&] { g.comm().all_gather(&mine, all.data(), 1, nullptr); });
+  } else {  // the communicator moves device memory
+    const at::Tensor d = at::full({1 + g.size()}, mine, go.options().dtype(at::kByte));
+    core_call([&] { g.comm().all_gather(d.data_ptr(), d.data_ptr<uint8_t>() + 1, 1, stream); });
+    const at::Tensor h = d.cpu();  // the stream's order: torch's current stream is `stream`
+    std::copy(h.data_ptr<uint8_t>() + 1, h.data_ptr<uint8_t>() + 1 + g.size(), all.begin());
+  }
   return std::all_of(all.begin(), all.end(), [](uint8_t v) { return v != 0; });
 }
 
@@ -103,8 +110,9 @@ void backward_into(const at::Tensor& d_hidden, const at::Tensor& d_weight, const
   const Setup s = linear_setup(a, hidden, weight, {&d_hidden, &d_weight, &target, &lse, &go},
                                GradMode::deferred);  // deferred: what a recompute is
   const float* go_ptr = grad_output_ptr(grad_output, a, hidden.size(0));
-  if (fused && forward_gradients_final(s.group, go_ptr, go_ptr != nullptr ? go.numel() : 0,
-                                       static_cast<float>(a.grad_scale)))
+  if (fused &&
+      forward_gradients_final(s.group, go_ptr != nullptr ? go : at::Tensor(),
+                              static_cast<float>(a.grad_scale), stream_of(hidden.device())))
     return;
   LinearOutputs out;
   out.d_hidden = gradient_of(d_hidden);

@@ -368,7 +368,7 @@ BAD = {  # name -> (changes to the call, what the error says)
                      f"targets[0] = {V}: must be in [0, vocab_size = {V})"),
     "not_cpu": (dict(hidden=lambda h: h.to("meta"), weight=lambda w: w.to("meta"),
                      target=lambda t: t.to("meta")),
-                "hidden is on meta: the fused lm head runs on the CPU backend only for now"),
+                "hidden is on meta: the fused lm head takes CPU or CUDA tensors"),
     "devices": (dict(weight=lambda w: w.to("meta")),
                 "weight is on meta and target on cpu but hidden is on cpu"),
     "reduction": (dict(reduction="avg"), 'reduction = "avg"'),

@@ -1,0 +1,341 @@
+// The chunk loop on the CUDA backend. Per chunk of rows: the hidden rows (gathered from every
+// rank with sequence parallelism), logits = hidden @ weight^T in fp32 (a cuBLASLt GEMM, fp32
+// accumulation), then the logits path's own steps on them (cuda::stats, the all-gather of the
+// records, cuda::finalize of the rows), then the gradient over the logits (cuda::gradient, in the
+// inputs' dtype: the GEMMs that consume it run on the tensor cores as the unfused path's do) and
+// the two GEMMs: d_hidden's partial (summed over the ranks) and d_weight's (accumulated in fp32
+// over the chunks). The reduced loss comes from every row's loss once the chunks are done
+// (cuda::reduce_rows), the gradient's scale from every row's target before the first.
+//
+// Rows of a chunk are in "chunk order": with sequence parallelism rank b's rows of the chunk
+// come b-th; the per-row scratch over all rows keeps that order (chunk after chunk), so that a
+// chunk's targets, losses and argmax are one contiguous slice of it.
+#include "linear/cuda.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "backend.h"
+#include "core/finalize.h"
+#include "error.h"
+#include "linear/gemm.h"
+
+namespace xent::linear {
+
+namespace {
+
+// Device memory grown on demand and kept between calls; growth waits for the stream (the old
+// buffer may be in use) and is refused during graph capture.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  template <typename T>
+  T* get(int64_t count, cudaStream_t stream) {
+    const size_t bytes = sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
+    if (bytes > bytes_) {
+      cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
+      check_cuda(cudaStreamIsCapturing(stream, &s), "cudaStreamIsCapturing");
+      if (s != cudaStreamCaptureStatusNone)
+        fail("linear_forward/linear_backward: the fused lm head's buffers must grow (" +
+             std::to_string(bytes) +
+             " bytes), which is not allowed while the stream is captured "
+             "into a CUDA graph: run the same call once before capturing");
+      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (buffer growth)");
+      if (p_) check_cuda(cudaFree(p_), "cudaFree");
+      p_ = nullptr;
+      bytes_ = 0;
+      check_cuda(cudaMalloc(&p_, bytes), "cudaMalloc (the fused lm head's buffers)");
+      bytes_ = bytes;
+    }
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Scratch {
+  device::Gemm gemm;
+  DeviceBuffer logits;    // [chunk rows, V_local] fp32: the logits (then, f32 inputs: gradient)
+  DeviceBuffer grad;      // [chunk rows, V_local]: the gradient in the inputs' 16-bit dtype
+  DeviceBuffer hidden;    // [chunk rows, H]: every rank's rows (sequence parallelism)
+  DeviceBuffer mine;      // [rows, H]: this rank's rows, contiguous, to send
+  DeviceBuffer partial;   // [chunk rows, H] fp32: this rank's part of d_hidden
+  DeviceBuffer gathered;  // [ranks, chunk rows, H] fp32: every rank's partial
+  DeviceBuffer d_weight;  // [real columns, H] fp32: the accumulator where d_weight is not f32
+  DeviceBuffer targets;   // every rank's targets, rank order, then chunk order (SP)
+  DeviceBuffer row_loss;  // [all rows] chunk order
+  DeviceBuffer argmax;    // [all rows] chunk order
+  DeviceBuffer per_row;   // [chunk rows] x 4: lse, z-loss, lse and grad_output gathered
+  DeviceBuffer scalars;   // [Workspace::kScalars]: the gradient's scale of the whole problem
+};
+
+size_t target_bytes(IndexType t) {
+  return t == IndexType::i32 ? 4 : 8;
+}
+
+class Chunks {
+ public:
+  Chunks(const Group& group, const Call& call, const Agreed& agreed, Pass pass, cudaStream_t stream)
+      : comm_(group.comm()),
+        call_(call),
+        plan_(agreed.plan),
+        pass_(pass),
+        ws_(group.workspace()),
+        stream_(stream),
+        H_(call.hidden.cols),
+        V_(call.p.cols),
+        real_(call.p.real_cols),
+        ranks_(comm_.size()),
+        all_rows_(call.p.rows * plan_.ranks) {
+    if (!ws_.linear) ws_.linear = std::make_shared<Scratch>();
+    s_ = static_cast<Scratch*>(ws_.linear.get());
+    ws_.prepare(std::max<int64_t>(plan_.logits_rows(), 1), call.p.layout.fields, ranks_, stream_);
+    gscalars_ = s_->scalars.get<float>(Workspace::kScalars, stream_);
+    const int64_t m = plan_.logits_rows();
+    logits_ = s_->logits.get<float>(m * V_, stream_);
+    gdtype_ = call_.hidden.dtype;  // the gradient's, as the GEMMs that consume it take it
+    grad_ = logits_;               // in place where the inputs are f32
+    if (gdtype_ != DType::f32) grad_ = s_->grad.get<char>(m * V_ * 2, stream_);
+    per_row_ = s_->per_row.get<float>(4 * std::max<int64_t>(m, 1), stream_);
+    targets_ = all_targets();
+    // The gradient's scale of the whole problem, before the first chunk.
+    core::Problem all = call_.p;
+    all.rows = all_rows_;
+    cuda::count_valid(all, targets_all_, gscalars_, stream_);
+  }
+
+  void run(const float* lse, const float* grad_output) {
+    const bool dw = call_.gradients && call_.out.d_weight.data != nullptr;
+    const bool reduced = call_.p.reduction != Reduction::none;
+    const bool accuracy = call_.out.accuracy != nullptr || call_.out.argmax != nullptr;
+    float* row_loss = nullptr;
+    if (pass_ == Pass::forward && (reduced || sp()))
+      row_loss = s_->row_loss.get<float>(all_rows_, stream_);
+    int64_t* argmax = nullptr;
+    if (pass_ == Pass::forward && accuracy && (sp() || call_.out.argmax == nullptr))
+      argmax = s_->argmax.get<int64_t>(all_rows_, stream_);
+    if (dw) start_d_weight();
+    for (int64_t i = 0; i < plan_.chunks; ++i) {
+      const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
+      const int64_t m = c * plan_.ranks, at = r0 * plan_.ranks;  // the chunk's rows in chunk order
+      const device::Operand h = inputs(r0, c);
+      const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
+      s_->gemm.run(false, true, m, real_, H_, h, w, 0.0f, logits_, DType::f32, V_, stream_);
+      core::Problem pc = call_.p;  // the chunk's logits as the logits path sees a shard
+      pc.rows = m;
+      pc.row_stride = V_;
+      const LogitsView lv{logits_, DType::f32, m, V_, V_};
+      const TargetsView tv{static_cast<const char*>(targets_.data) + at * tsize(), targets_.type,
+                           m};
+      const float* lse_c = pass_ == Pass::forward
+                               ? finalize(pc, lv, tv, r0, c, at, row_loss, argmax)
+                               : mine_to_chunk(lse, r0, c, per_row_ + 2 * m);
+      if (!call_.gradients) continue;
+      const float* go = grad_output;
+      if (go != nullptr && call_.p.reduction == Reduction::none)
+        go = mine_to_chunk(go, r0, c, per_row_ + 3 * m);
+      const LogitsView gv{grad_, gdtype_, m, V_, V_};
+      cuda::gradient(pc, lv, gv, tv, lse_c, gscalars_, go, stream_);
+      const device::Operand g{grad_, gdtype_, V_};
+      if (call_.out.d_hidden.data != nullptr) d_hidden(g, w, m, r0, c);
+      if (dw) {
+        const bool first = i == 0 && !call_.accumulate_d_weight;
+        s_->gemm.run(true, false, real_, H_, m, g, h, first ? 0.0f : 1.0f, acc_, acc_dtype_, ldacc_,
+                     stream_);
+      }
+    }
+    if (pass_ == Pass::forward) reduce_loss(row_loss, argmax);
+    if (dw) finish_d_weight();
+  }
+
+ private:
+  bool sp() const { return call_.sequence_parallel; }
+  int64_t tsize() const { return static_cast<int64_t>(target_bytes(call_.targets.type)); }
+
+  // Every row's targets in chunk order: the call's own without sequence parallelism; else every
+  // rank's gathered (rank order, targets_all_, for the gradient's scale) and rearranged.
+  TargetsView all_targets() {
+    const TargetsView& t = call_.targets;
+    if (!sp()) {
+      targets_all_ = t;
+      return t;
+    }
+    const int64_t n = call_.p.rows, ts = tsize();
+    char* buf = s_->targets.get<char>(2 * all_rows_ * ts, stream_);
+    comm_.all_gather(t.data, buf, static_cast<size_t>(n * ts), stream_);
+    targets_all_ = TargetsView{buf, t.type, all_rows_};
+    char* chunked = buf + all_rows_ * ts;
+    for (int64_t i = 0; i < plan_.chunks; ++i) {
+      const int64_t r0 = plan_.first(i), c = plan_.count(i, n);
+      // Rank b's rows [r0, r0 + c) to chunk position r0 * ranks + b * c.
+      check_cuda(cudaMemcpy2DAsync(chunked + r0 * plan_.ranks * ts, c * ts, buf + r0 * ts, n * ts,
+                                   c * ts, plan_.ranks, cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpy2DAsync (targets)");
+    }
+    return TargetsView{chunked, t.type, all_rows_};
+  }
+
+  // The chunk's hidden rows as the GEMMs read them: this rank's own (any row stride), or with
+  // sequence parallelism every rank's, gathered.
+  device::Operand inputs(int64_t r0, int64_t c) {
+    const MatrixView& x = call_.hidden;
+    const size_t es = dtype_size(x.dtype);
+    const char* rows = static_cast<const char*>(x.data) + r0 * x.row_stride * es;
+    if (!sp()) return device::Operand{rows, x.dtype, x.row_stride};
+    const void* send = rows;
+    if (x.row_stride != H_) {
+      void* mine = s_->mine.get<char>(plan_.rows * H_ * static_cast<int64_t>(es), stream_);
+      check_cuda(cudaMemcpy2DAsync(mine, H_ * es, rows, x.row_stride * es, H_ * es, c,
+                                   cudaMemcpyDeviceToDevice, stream_),
+                 "cudaMemcpy2DAsync (hidden rows)");
+      send = mine;
+    }
+    char* all = s_->hidden.get<char>(plan_.logits_rows() * H_ * static_cast<int64_t>(es), stream_);
+    comm_.all_gather(send, all, static_cast<size_t>(c * H_) * es, stream_);
+    return device::Operand{all, x.dtype, H_};
+  }
+
+  // This rank's c floats from row r0 for every row of the chunk: gathered from every rank with
+  // sequence parallelism, else the rows themselves.
+  const float* mine_to_chunk(const float* rows, int64_t r0, int64_t c, float* buf) {
+    if (!sp()) return rows + r0;
+    comm_.all_gather(rows + r0, buf, sizeof(float) * static_cast<size_t>(c), stream_);
+    return buf;
+  }
+
+  // Statistics, exchange and finalize of the chunk (Reduction::none: each row's loss into
+  // row_loss, or the output), this rank's rows of the per-row outputs copied out. Returns the
+  // chunk's lse.
+  const float* finalize(const core::Problem& pc, LogitsView lv, TargetsView tv, int64_t r0,
+                        int64_t c, int64_t at, float* row_loss, int64_t* argmax) {
+    const int64_t m = pc.rows;
+    cuda::stats(pc, lv, tv, ws_.send, ws_.error, stream_);
+    if (ranks_ > 1) comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * m, stream_);
+    const LinearOutputs& out = call_.out;
+    core::Problem pn = pc;
+    pn.reduction = Reduction::none;
+    Outputs o;
+    float* lse = sp() || out.lse == nullptr ? per_row_ : out.lse + r0;
+    o.loss = row_loss != nullptr ? row_loss + at : out.loss + r0;
+    o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? per_row_ + m : out.z_loss + r0;
+    o.argmax = argmax != nullptr ? argmax + at : out.argmax != nullptr ? out.argmax + r0 : nullptr;
+    cuda::finalize(pn, tv, ws_.recv, ranks_, o, lse, ws_.scalars, ws_.partials, stream_);
+    if (sp()) {  // this rank's rows of the chunk: [rank * c, rank * c + c)
+      const int64_t own = comm_.rank() * c;
+      copy(lse + own, out.lse, r0, c);
+      if (call_.p.reduction == Reduction::none) copy(o.loss + own, out.loss, r0, c);
+      copy(o.z_loss == nullptr ? nullptr : o.z_loss + own, out.z_loss, r0, c);
+      if (out.argmax != nullptr) copy(argmax + at + own, out.argmax, r0, c);
+    }
+    return lse;
+  }
+
+  template <typename T>
+  void copy(const T* from, T* to, int64_t r0, int64_t c) {
+    if (from == nullptr || to == nullptr || c == 0) return;
+    check_cuda(cudaMemcpyAsync(to + r0, from, sizeof(T) * static_cast<size_t>(c),
+                               cudaMemcpyDeviceToDevice, stream_),
+               "cudaMemcpyAsync (per-row outputs)");
+  }
+
+  // The chunk's d_hidden. One rank: the GEMM writes it, rounded once. Several: this rank's fp32
+  // partial, every rank's gathered and summed in rank order (the same bits on every rank), then
+  // rounded once: all of the chunk's rows, or with sequence parallelism this rank's.
+  void d_hidden(device::Operand g, device::Operand w, int64_t m, int64_t r0, int64_t c) {
+    const MatrixView& dh = call_.out.d_hidden;
+    if (ranks_ == 1) {
+      char* rows = static_cast<char*>(dh.data) + r0 * dh.row_stride * dtype_size(dh.dtype);
+      s_->gemm.run(false, false, m, H_, real_, g, w, 0.0f, rows, dh.dtype, dh.row_stride, stream_);
+      return;
+    }
+    float* partial = s_->partial.get<float>(plan_.logits_rows() * H_, stream_);
+    s_->gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
+    float* all = s_->gathered.get<float>(int64_t(ranks_) * plan_.logits_rows() * H_, stream_);
+    comm_.all_gather(partial, all, sizeof(float) * static_cast<size_t>(m * H_), stream_);
+    const int64_t own = sp() ? comm_.rank() * c * H_ : 0;
+    device::store_sum(all + own, ranks_, m * H_, H_, dh, r0, c, stream_);
+  }
+
+  // The fp32 accumulator of d_weight's real rows: d_weight itself where it is f32; else, with one
+  // chunk, d_weight itself too (the GEMM rounds its fp32 sum once); else scratch, rounded once at
+  // the end.
+  void start_d_weight() {
+    const MatrixView& dw = call_.out.d_weight;
+    acc_ = dw.data;
+    acc_dtype_ = dw.dtype;
+    ldacc_ = dw.row_stride;
+    if (dw.dtype == DType::f32 || plan_.chunks <= 1) return;
+    acc_ = s_->d_weight.get<float>(real_ * H_, stream_);
+    acc_dtype_ = DType::f32;
+    ldacc_ = H_;
+  }
+  void finish_d_weight() {
+    const MatrixView& dw = call_.out.d_weight;
+    if (plan_.chunks == 0 && !call_.accumulate_d_weight) zero_rows(0, real_);
+    if (acc_ != dw.data)
+      device::store_sum(static_cast<const float*>(acc_), 1, 0, H_, dw, 0, real_, stream_);
+    if (!call_.accumulate_d_weight) zero_rows(real_, dw.rows - real_);  // padding: no gradient
+  }
+  void zero_rows(int64_t r0, int64_t rows) {
+    const MatrixView& dw = call_.out.d_weight;
+    if (rows <= 0) return;
+    const size_t es = dtype_size(dw.dtype);
+    check_cuda(cudaMemset2DAsync(static_cast<char*>(dw.data) + r0 * dw.row_stride * es,
+                                 dw.row_stride * es, 0, H_ * es, rows, stream_),
+               "cudaMemset2DAsync (d_weight rows)");
+  }
+
+  // The reduced loss and the accuracy from every row's loss, target and argmax (chunk order).
+  void reduce_loss(const float* row_loss, const int64_t* argmax) {
+    const LinearOutputs& out = call_.out;
+    const bool none = call_.p.reduction == Reduction::none;
+    if (none && out.accuracy == nullptr) return;
+    core::Problem all = call_.p;
+    all.rows = all_rows_;
+    Outputs o;
+    o.loss = out.loss;  // written for mean and sum alone (core::finalize_totals)
+    o.accuracy = out.accuracy;
+    const float* losses = row_loss != nullptr ? row_loss : out.loss;  // none, one rank's rows
+    const int64_t* am = argmax != nullptr ? argmax : out.argmax;
+    cuda::reduce_rows(all, targets_, losses, out.accuracy != nullptr ? am : nullptr, o, ws_.scalars,
+                      stream_);
+  }
+
+  Communicator& comm_;
+  const Call& call_;
+  const ChunkPlan& plan_;
+  const Pass pass_;
+  Workspace& ws_;
+  cudaStream_t stream_;
+  const int64_t H_, V_, real_;
+  const int ranks_;
+  const int64_t all_rows_;
+  Scratch* s_ = nullptr;
+  float* gscalars_ = nullptr;
+  float* logits_ = nullptr;
+  void* grad_ = nullptr;
+  DType gdtype_ = DType::f32;
+  float* per_row_ = nullptr;
+  TargetsView targets_{}, targets_all_{};
+  void* acc_ = nullptr;
+  DType acc_dtype_ = DType::f32;
+  int64_t ldacc_ = 0;
+};
+
+}  // namespace
+
+void run_cuda(const Group& group, const Call& call, const Agreed& agreed, Pass pass,
+              const float* lse, const float* grad_output, cudaStream_t stream) {
+  Chunks chunks(group, call, agreed, pass, stream);
+  chunks.run(lse, grad_output);
+}
+
+}  // namespace xent::linear

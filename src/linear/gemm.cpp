@@ -1,0 +1,140 @@
+#include "linear/gemm.h"
+
+#include <string>
+
+#include "error.h"
+
+namespace xent::linear::device {
+
+namespace {
+
+// cuBLASLt's recommendation for Hopper: 32 MiB (less on older GPUs is still enough).
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+void check_lt(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    fail(std::string("cuBLASLt ") + what + " failed: cublasStatus_t " +
+         std::to_string(static_cast<int>(s)));
+}
+
+cudaDataType_t cuda_type(DType d) {
+  switch (d) {
+    case DType::bf16: return CUDA_R_16BF;
+    case DType::f16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// The largest power of two (at most 256) that divides the address: what the algorithm may assume.
+int alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int bytes = 256;
+  while (bytes > 1 && a % bytes != 0) bytes /= 2;
+  return bytes;
+}
+
+// Owns the descriptors of one call.
+struct Descriptors {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~Descriptors() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+}  // namespace
+
+Gemm::Gemm() {
+  check_lt(cublasLtCreate(&handle_), "cublasLtCreate");
+  check_cuda(cudaMalloc(&workspace_, kWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)");
+}
+
+Gemm::~Gemm() {
+  if (workspace_) cudaFree(workspace_);
+  if (handle_) cublasLtDestroy(handle_);
+}
+
+void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Operand a, Operand b,
+               float beta, void* c, DType c_dtype, int64_t ldc, cudaStream_t stream) {
+  if (m == 0 || n == 0) return;
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our B.
+  const cublasOperation_t ta = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int64_t M = n, N = m, K = k;
+  const cudaDataType_t in_type = cuda_type(a.dtype), out_type = cuda_type(c_dtype);
+  Descriptors d;
+  check_lt(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
+  check_lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
+           "set TRANSA");
+  check_lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
+           "set TRANSB");
+  // Stored shapes (column-major): cuBLASLt's A is [M, K] (N) or [K, M] (T); its B [K, N] or [N, K].
+  const bool na = ta == CUBLAS_OP_N, nb = tb == CUBLAS_OP_N;
+  check_lt(cublasLtMatrixLayoutCreate(&d.a, in_type, na ? M : K, na ? K : M, b.ld), "layout A");
+  check_lt(cublasLtMatrixLayoutCreate(&d.b, in_type, nb ? K : N, nb ? N : K, a.ld), "layout B");
+  check_lt(cublasLtMatrixLayoutCreate(&d.c, out_type, M, N, ldc), "layout C");
+  // K = 0: C = beta C (cuBLASLt may refuse an empty reduction): a GEMM over nothing is 0.
+  if (K == 0) {
+    if (beta != 0.0f) return;
+    check_cuda(
+        cudaMemset2DAsync(c, ldc * dtype_size(c_dtype), 0, M * dtype_size(c_dtype), N, stream),
+        "cudaMemset2DAsync (empty GEMM)");
+    return;
+  }
+  const Key key{ta,
+                tb,
+                M,
+                N,
+                K,
+                b.ld,
+                a.ld,
+                ldc,
+                in_type,
+                out_type,
+                beta == 0.0f,
+                alignment(b.data),
+                alignment(a.data),
+                alignment(c)};
+  auto it = algos_.find(key);
+  if (it == algos_.end()) {
+    check_lt(cublasLtMatmulPreferenceCreate(&d.pref), "PreferenceCreate");
+    const uint64_t ws = kWorkspaceBytes;
+    check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                  &ws, sizeof ws),
+             "set MAX_WORKSPACE_BYTES");
+    const uint32_t al_a = std::get<11>(key), al_b = std::get<12>(key), al_c = std::get<13>(key);
+    check_lt(cublasLtMatmulPreferenceSetAttribute(
+                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a),
+             "set MIN_ALIGNMENT_A");
+    check_lt(cublasLtMatmulPreferenceSetAttribute(
+                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b),
+             "set MIN_ALIGNMENT_B");
+    check_lt(cublasLtMatmulPreferenceSetAttribute(
+                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c),
+             "set MIN_ALIGNMENT_C");
+    check_lt(cublasLtMatmulPreferenceSetAttribute(
+                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c),
+             "set MIN_ALIGNMENT_D");
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    check_lt(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
+                                            &found),
+             "MatmulAlgoGetHeuristic");
+    if (found == 0)
+      fail("cuBLASLt has no algorithm for a " + std::to_string(m) + " x " + std::to_string(n) +
+           " x " + std::to_string(k) + " GEMM of " + to_string(a.dtype) + " into " +
+           to_string(c_dtype));
+    it = algos_.emplace(key, result.algo).first;
+  }
+  const float alpha = 1.0f;
+  check_lt(cublasLtMatmul(handle_, d.op, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
+                          &it->second, workspace_, kWorkspaceBytes, stream),
+           "Matmul");
+}
+
+}  // namespace xent::linear::device

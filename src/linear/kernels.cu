@@ -1,0 +1,49 @@
+// The fused lm head's own kernel on the CUDA backend (cuda.h): a sum over the ranks' fp32
+// partials, rounded once into the output's dtype. A grid-stride loop over the elements.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/dtype.h"
+#include "cuda/launch.cuh"
+#include "error.h"
+#include "linear/cuda.h"
+
+namespace xent::linear::device {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename E>
+__global__ void __launch_bounds__(kThreads)
+    store_sum_kernel(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
+                     int64_t r0, int64_t rows) {
+  using T = typename E::type;
+  const int64_t cols = dst.cols, n = rows * cols;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t i = e / cols, j = e - i * cols;
+    const float* s = src + i * ld + j;
+    float sum = s[0];
+    for (int q = 1; q < ranks; ++q) sum += s[q * rank_stride];
+    static_cast<T*>(dst.data)[(r0 + i) * dst.row_stride + j] = E::store(sum);
+  }
+}
+
+}  // namespace
+
+void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
+               int64_t r0, int64_t rows, cudaStream_t stream) {
+  const int64_t n = rows * dst.cols;
+  if (n == 0) return;
+  const int64_t max_blocks = static_cast<int64_t>(cuda::detail::device_info().sms) * 8;
+  const auto blocks = static_cast<unsigned>(std::min((n + kThreads - 1) / kThreads, max_blocks));
+  core::dispatch_dtype(dst.dtype, [&](auto e) {
+    store_sum_kernel<decltype(e)>
+        <<<blocks, kThreads, 0, stream>>>(src, ranks, rank_stride, ld, dst, r0, rows);
+  });
+  check_cuda(cudaGetLastError(), "xent store_sum kernel launch");
+}
+
+}  // namespace xent::linear::device

@@ -1,0 +1,81 @@
+"""xent.linear_cross_entropy on CUDA tensors (the CUDA backend's fused lm head: cuBLASLt GEMMs in
+chunks), through `import xent`, against float64 F.cross_entropy of hidden @ weight.T (the
+reference of test_linear.py). Skipped where there is no GPU.
+
+What it asserts:
+  * the loss within float32 rounding of float64 (the logits are fp32 GEMM outputs);
+  * float32 inputs: every gradient element rounded once (half an ulp past float32 noise);
+  * bfloat16 inputs: the gradient of the logits is rounded to bfloat16 before the two GEMMs that
+    consume it (tensor-core GEMMs, as the unfused path's), so each d_hidden and d_weight element
+    may carry 2^-8 of the magnitude of its terms on top of half an ulp of its own rounding;
+  * fused and deferred, a scalar and a per-token grad_output, several chunks, softcap and z-loss,
+    a padded vocabulary; the same loss as the CPU backend.
+"""
+
+import pytest
+import torch
+
+from test_exact_grad import NOISE_F32_ULPS, ulp
+from test_linear import H, IGNORE, VARIANTS, grad_output_for, inputs, reference, xent_call
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def excess(got, want, magnitude, dtype):
+    """Worst |got - want| in ulps of dtype past the allowances: float32 noise, and for 16-bit
+    inputs the 2^-8 of the magnitude that the gradient's rounding to bfloat16 may add."""
+    g, w = got.detach().cpu().double(), want.double()
+    allowance = NOISE_F32_ULPS * 2.0 ** -23 + (0.0 if dtype == torch.float32 else 2.0 ** -8)
+    return (((g - w).abs() - allowance * magnitude) / ulp(w, dtype)).max().item()
+
+
+@pytest.mark.parametrize("chunk_rows", [0, 7])
+@pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
+@pytest.mark.parametrize("variant", ["plain", "zloss_softcap"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_matches_float64(dtype, reduction, variant, grad_mode, chunk_rows):
+    hidden, weight, target = inputs(DTYPES[dtype])
+    go = grad_output_for(reduction)
+    options = VARIANTS[variant]
+    want = reference(hidden, weight, target, go, reduction, **options)
+    loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), go.cuda(),
+                             reduction=reduction, grad_mode=grad_mode, chunk_rows=chunk_rows,
+                             **options)
+    assert loss.is_cuda and dh.is_cuda and dw.is_cuda
+    torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
+    assert dh.dtype == DTYPES[dtype] and dw.dtype == DTYPES[dtype]
+    assert excess(dh, want[1], want[3], DTYPES[dtype]) <= 0.5, "d_hidden"
+    assert excess(dw, want[2], want[4], DTYPES[dtype]) <= 0.5, "d_weight"
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fused_grad_output_equal_to_one_keeps_forward(dtype):
+    """grad_output 1 (the default grad_scale): forward's gradients are final, and exact."""
+    hidden, weight, target = inputs(DTYPES[dtype], seed=3)
+    want = reference(hidden, weight, target, torch.tensor(1.0), "mean")
+    loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), None)
+    torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
+    assert excess(dh, want[1], want[3], DTYPES[dtype]) <= 0.5
+    assert excess(dw, want[2], want[4], DTYPES[dtype]) <= 0.5
+
+
+def test_padded_vocabulary_and_cpu_agree():
+    """A weight with padding rows past vocab_size (never read: NaN there), on CUDA and on the CPU
+    backend: the same loss within float32 rounding, padding rows of d_weight 0."""
+    import xent
+    hidden, weight, target = inputs(torch.float32, seed=4, vocab=80)
+    target = target.clamp(max=76).masked_fill(target == IGNORE, IGNORE)
+    weight[77:] = float("nan")
+    out = {}
+    for device in ("cpu", "cuda"):
+        h = hidden.to(device).requires_grad_()
+        w = weight.to(device).requires_grad_()
+        loss = xent.linear_cross_entropy(h, w, target.to(device), vocab_size=77, chunk_rows=5)
+        loss.backward()
+        out[device] = (loss.detach().cpu(), w.grad.cpu())
+    torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=2e-6, atol=0)
+    assert torch.equal(out["cuda"][1][77:], torch.zeros(3, H))
+    torch.testing.assert_close(out["cuda"][1][:77], out["cpu"][1][:77], rtol=1e-4, atol=1e-6)
