@@ -72,9 +72,11 @@ TEST_F(Linear, ChunkSizesFusedAndDeferred) {
       std::printf("[ measured ] %s chunk_rows %lld: d_hidden %.2e, d_weight %.2e of magnitude\n",
                   xent::to_string(mode), static_cast<long long>(l.chunk_rows), got.worst_dh,
                   got.worst_dw);
-      // Rows are summed in order whatever the chunks: the same loss to the bit.
+      // CPU: rows are summed in order whatever the chunks, the same loss to the bit. CUDA:
+      // cuBLASLt picks its GEMM (and the order of its sums) by shape, so the logits of a chunk
+      // size may differ from another's in the last bits; each is checked against float64.
       if (first_loss.empty()) first_loss = got.loss;
-      EXPECT_EQ(got.loss, first_loss) << "the loss depends on the chunk size";
+      if (!on_cuda()) EXPECT_EQ(got.loss, first_loss) << "the loss depends on the chunk size";
     }
   }
 }
