@@ -213,7 +213,7 @@ def main():
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device(device).index or 0)
     dtype = DTYPES[args.dtype]
     extra = optional(cuda)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
