@@ -28,7 +28,11 @@ Metrics per row:
             minus torch.cuda.memory_allocated() just before it, measured with the inputs (and
             for gemm3, G) allocated and h.grad = W.grad = None. So dH and dW, which every row
             must produce, count in every row alike: "dH+dW MiB" is their size, to subtract.
-            For gemm3 it is the logits plus dH and dW. "n/a" on CPU.
+            For gemm3 it is the logits plus dH and dW. "n/a" on CPU. xent's own buffers
+            (chunks, the fp32 d_weight accumulator, cuBLASLt's workspace: cudaMalloc'd and
+            kept by its group between calls) are outside torch's allocator: for the xent rows
+            the device memory in use outside it after the step, over what it was at the start
+            of the run (cudaMemGetInfo less torch's reserved memory), is added.
   errors    against float64 on the same device (rows of the logits in chunks of about 1 GiB,
             so it fits beside the float64 copies of W and dW, 3 x V x H x 8 bytes in all):
             the loss's absolute error, and ||x - ref||_F / ||ref||_F for dH and dW, from the
@@ -143,8 +147,18 @@ def sync(cuda):
         torch.cuda.synchronize()
 
 
-def measure(step, h, w, args, cuda, ref):
-    """{"ms", "extra_mib", "loss_err", "dh_err", "dw_err"} of one row."""
+def outside_torch():
+    """Device memory in use outside torch's caching allocator (xent's own buffers among it)."""
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+OUTSIDE_AT_START = None
+
+
+def measure(step, h, w, args, cuda, ref, own_buffers=False):
+    """{"ms", "extra_mib", "loss_err", "dh_err", "dw_err"} of one row; own_buffers: the row's
+    library allocates outside torch (xent), counted in extra."""
     def clear():
         h.grad = None
         w.grad = None
@@ -163,6 +177,8 @@ def measure(step, h, w, args, cuda, ref):
     sync(cuda)
     if cuda:
         res["extra_mib"] = (torch.cuda.max_memory_allocated() - before) / MIB
+        if own_buffers:
+            res["extra_mib"] += (outside_torch() - OUTSIDE_AT_START) / MIB
     if ref is not None and loss is not None:
         res["loss_err"] = abs(loss.double().item() - ref[0].item())
         res["dh_err"] = rel_err(d_hidden, ref[1])
@@ -214,6 +230,9 @@ def main():
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(torch.device(device).index or 0)
+        torch.cuda.init()
+        global OUTSIDE_AT_START
+        OUTSIDE_AT_START = outside_torch()
     dtype = DTYPES[args.dtype]
     extra = optional(cuda)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -269,7 +288,8 @@ def main():
                     g = torch.randn(args.tokens, vocab, device=device, generator=gen).to(dtype)
                     step = gemm3(h, w, g)
                 if step is not None:
-                    res.update(measure(step, h, w, args, cuda, ref))
+                    res.update(measure(step, h, w, args, cuda, ref,
+                                       own_buffers=row.startswith("xent")))
                 if row == "gemm3":
                     floor = res["ms"]
                 if floor and res["ms"] is not None:

@@ -1,8 +1,7 @@
-// The fused lm head (xent/linear.h) on 2 to 4 ranks of the CPU backend (dist_main.cpp sets the
-// group up): uneven shards, padding on the last rank, with and without sequence parallelism,
-// fused and deferred, each rank's outputs against the float64 reference of the whole problem
-// (tests/linear_harness.h). On the CUDA backends every call must be refused with a clear error
-// (not yet there): DistLinear's tests skip, and LinearRefusedOnCuda checks the refusal.
+// The fused lm head (xent/linear.h) on 2 to 4 ranks of the group dist_main.cpp sets up (CPU over
+// MPI, or CUDA: ranks sharing a GPU, or NCCL): uneven shards, padding on the last rank, with and
+// without sequence parallelism, fused and deferred, each rank's outputs against the float64
+// reference of the whole problem (tests/linear_harness.h, which stages CUDA buffers).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <xent/linear.h>

@@ -113,6 +113,30 @@ TEST_F(Linear, Bf16Inputs) {
   }
 }
 
+// More rows than the CUDA backend's sub-chunk of fp32 logits (kSubChunkRows = 128): chunks of
+// 200 rows (two sub-chunks, the second short) and of max_chunk_bytes' choosing, 300 rows, with
+// per-row outputs and a per-row grad_output across the sub-chunks' seams.
+TEST_F(Linear, ChunksOfSeveralSubChunks) {
+  const xent::Group g = local();
+  for (int64_t rows : {200, 0}) {
+    for (GradMode mode : {GradMode::fused, GradMode::deferred}) {
+      SCOPED_TRACE(std::string(xent::to_string(mode)) + ", chunk_rows " + std::to_string(rows));
+      LinearCase c;
+      c.rows = 300;
+      c.dtype = DType::bf16;
+      c.grad_dtype = DType::bf16;
+      c.opt.grad_mode = mode;
+      c.opt.reduction = Reduction::none;
+      c.opt.compute_accuracy = true;
+      c.lopt.chunk_rows = rows;
+      c.p_ignore = 0.1;
+      if (mode == GradMode::deferred)
+        for (int64_t i = 0; i < c.rows; ++i) c.grad_output.push_back(0.5 + 0.01 * (i % 7));
+      run_linear(g, c);
+    }
+  }
+}
+
 TEST_F(Linear, F16Inputs) {
   LinearCase c;
   c.dtype = DType::f16;

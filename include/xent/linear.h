@@ -4,7 +4,10 @@
 // made in chunks of rows whose memory LinearOptions bounds, and each chunk goes through the same
 // statistics record, exchange and finalize as forward() on a logits shard.
 //
-// The CPU backend only, for now: a CUDA group is refused with an xent::Error.
+// CPU backend: fp32 GEMMs (a CBLAS where the build found one). CUDA backend: cuBLASLt GEMMs with
+// fp32 accumulation (never TF32) and fp32 logits; for 16-bit inputs the gradient of the logits is
+// rounded to their dtype before the two GEMMs that consume it, as the unfused path's is
+// (docs/linear.md, "Accuracy").
 #pragma once
 
 #include "xent/xent.h"
@@ -29,8 +32,12 @@ struct LinearOptions {
   // Rows of this rank's hidden per chunk; with sequence_parallel every rank gives that many, so
   // a chunk's logits have ranks * chunk_rows rows. 0: the most that max_chunk_bytes allows.
   int64_t chunk_rows = 0;
-  // With chunk_rows = 0: a chunk's logits and their gradient in fp32 (8 bytes per row and column
-  // of the widest rank's shard) take at most this many bytes; it must hold one row of each rank.
+  // With chunk_rows = 0: a chunk's buffers take at most this many bytes, counted for the widest
+  // rank's shard (it must hold one row of each rank). CPU: its logits and their gradient in fp32,
+  // 8 bytes per row and column. CUDA: its gradient in the inputs' dtype (2 or 4 bytes per row and
+  // column), plus for 16-bit inputs the fp32 logits of 128 rows at a time (512 bytes a column).
+  // The CUDA backend's other buffers: the fp32 d_weight accumulator where d_weight is not f32
+  // and there is more than one chunk ([V_local, H]), cuBLASLt's 32 MiB workspace.
   size_t max_chunk_bytes = size_t(256) << 20;
   // d_weight += the gradient rather than = it (Megatron's main_grad); d_weight must be f32, and
   // its padding rows (past vocab_size) are left as they are.

@@ -82,7 +82,7 @@ at::Tensor vocab_parallel_cross_entropy_loss(const at::Tensor& logits, const at:
                                              const CrossEntropyOptions& options = {});
 
 // The fused lm head: the loss of hidden @ weight^T, this rank's shard of the vocabulary, without
-// the logits ever existing in full (xent/linear.h; docs/torch.md). The CPU backend only, for now.
+// the logits ever existing in full (xent/linear.h; docs/torch.md). CPU and CUDA tensors.
 struct LinearCrossEntropyOptions {
   // The loss's options: every field of CrossEntropyOptions but inplace_grad, return_lse,
   // return_z_loss and compute_accuracy (which must stay false). grad_mode fused (the default):

@@ -175,7 +175,7 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
                          grad_scale=1.0, chunk_rows=0, max_chunk_bytes=256 << 20):
     """The fused lm head: the loss of hidden @ weight.T against global targets, without the
     logits [rows, V] ever existing in full (they are made chunk_rows at a time, or as many rows
-    as max_chunk_bytes holds in float32 with their gradient). The CPU backend only, for now.
+    as max_chunk_bytes holds; docs/linear.md). CPU and CUDA tensors.
 
     hidden [..., H] and target [...] (the same on every rank; with sequence_parallel=True this
     rank's own rows, as many on every rank), weight [V_local, H] this rank's shard of the

@@ -156,7 +156,7 @@ def linear_cross_entropy(hidden, weight, labels, tp_group=None, reduction="mean"
                          ignore_index=-100, sequence_parallel=False):
     """The fused lm head with the signature and layout of Megatron-LM main's
     megatron.core.fusions.fused_linear_cross_entropy.linear_cross_entropy (not in megatron-core
-    0.16.1), on xent's CPU backend for now (xent.linear_cross_entropy).
+    0.16.1), on xent's CPU or CUDA backend (xent.linear_cross_entropy).
 
     hidden: [s, b, h] or [tokens, h], this rank's tokens with sequence_parallel (then s / tp of
     them, rank-major); weight: [V/tp, h], this rank's equal share of the vocabulary (rank r holds
@@ -211,12 +211,9 @@ _TARGETS = (
      _entry_point(vocab_parallel_cross_entropy), True),
     ("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy",
      _entry_point(fused_vocab_parallel_cross_entropy), True),
+    ("megatron.core.fusions.fused_linear_cross_entropy", "linear_cross_entropy",
+     _entry_point(linear_cross_entropy), False),
 )
-# Not yet ("megatron.core.fusions.fused_linear_cross_entropy", "linear_cross_entropy",
-# _entry_point(linear_cross_entropy), False): Megatron's runs on CUDA (Blackwell), xent's fused
-# lm head on the CPU backend only for now; patching it would make a working CUDA path fail.
-
-
 def _target_module(module_name, always):
     """Megatron's module, or None where it is one that this megatron-core does not have."""
     try:

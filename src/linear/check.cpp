@@ -216,7 +216,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
     if (call.sequence_parallel) a.valid_rows += h.valid_rows;
   }
   if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
-  a.plan = plan_chunks(lopt, p.rows, ranks, widest);
+  a.plan = plan_chunks(lopt, p.rows, ranks, widest, chunk_cost(group.backend(), call.hidden.dtype));
   return a;
 }
 

@@ -100,10 +100,13 @@ class Chunks {
     ws_.prepare(std::max<int64_t>(plan_.logits_rows(), 1), call.p.layout.fields, ranks_, stream_);
     gscalars_ = s_->scalars.get<float>(Workspace::kScalars, stream_);
     const int64_t m = plan_.logits_rows();
-    logits_ = s_->logits.get<float>(m * V_, stream_);
     gdtype_ = call_.hidden.dtype;  // the gradient's, as the GEMMs that consume it take it
-    grad_ = logits_;               // in place where the inputs are f32
-    if (gdtype_ != DType::f32) grad_ = s_->grad.get<char>(m * V_ * 2, stream_);
+    // f32 inputs: the logits are made and turned into their gradient in place, a whole chunk at
+    // once. 16-bit: the chunk's gradient [m, V] in 16 bits, its fp32 logits a sub-chunk at a time.
+    sub_rows_ = gdtype_ == DType::f32 ? std::max<int64_t>(m, 1) : kSubChunkRows;
+    grad_ = s_->grad.get<char>(m * V_ * static_cast<int64_t>(dtype_size(gdtype_)), stream_);
+    logits_ = gdtype_ == DType::f32 ? static_cast<float*>(grad_)
+                                    : s_->logits.get<float>(std::min(m, sub_rows_) * V_, stream_);
     per_row_ = s_->per_row.get<float>(4 * std::max<int64_t>(m, 1), stream_);
     targets_ = all_targets();
     // The gradient's scale of the whole problem, before the first chunk.
@@ -123,27 +126,40 @@ class Chunks {
     if (pass_ == Pass::forward && accuracy && (sp() || call_.out.argmax == nullptr))
       argmax = s_->argmax.get<int64_t>(all_rows_, stream_);
     if (dw) start_d_weight();
+    const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
     for (int64_t i = 0; i < plan_.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
       const int64_t m = c * plan_.ranks, at = r0 * plan_.ranks;  // the chunk's rows in chunk order
       const device::Operand h = inputs(r0, c);
-      const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
-      s_->gemm.run(false, true, m, real_, H_, h, w, 0.0f, logits_, DType::f32, V_, stream_);
-      core::Problem pc = call_.p;  // the chunk's logits as the logits path sees a shard
-      pc.rows = m;
-      pc.row_stride = V_;
-      const LogitsView lv{logits_, DType::f32, m, V_, V_};
-      const TargetsView tv{static_cast<const char*>(targets_.data) + at * tsize(), targets_.type,
-                           m};
-      const float* lse_c = pass_ == Pass::forward
-                               ? finalize(pc, lv, tv, r0, c, at, row_loss, argmax)
-                               : mine_to_chunk(lse, r0, c, per_row_ + 2 * m);
-      if (!call_.gradients) continue;
+      const float* lse_c = nullptr;
       const float* go = grad_output;
-      if (go != nullptr && call_.p.reduction == Reduction::none)
+      if (pass_ == Pass::backward) lse_c = mine_to_chunk(lse, r0, c, per_row_ + 2 * m);
+      if (call_.gradients && go != nullptr && call_.p.reduction == Reduction::none)
         go = mine_to_chunk(go, r0, c, per_row_ + 3 * m);
-      const LogitsView gv{grad_, gdtype_, m, V_, V_};
-      cuda::gradient(pc, lv, gv, tv, lse_c, gscalars_, go, stream_);
+      for (int64_t s0 = 0; s0 < m; s0 += sub_rows_) {
+        const int64_t k = std::min(sub_rows_, m - s0);
+        const device::Operand hs{static_cast<const char*>(h.data) +
+                                     s0 * h.ld * static_cast<int64_t>(dtype_size(h.dtype)),
+                                 h.dtype, h.ld};
+        s_->gemm.run(false, true, k, real_, H_, hs, w, 0.0f, logits_, DType::f32, V_, stream_);
+        core::Problem pc = call_.p;  // the sub-chunk's logits as the logits path sees a shard
+        pc.rows = k;
+        pc.row_stride = V_;
+        const LogitsView lv{logits_, DType::f32, k, V_, V_};
+        const TargetsView tv{static_cast<const char*>(targets_.data) + (at + s0) * tsize(),
+                             targets_.type, k};
+        const float* lse_s = pass_ == Pass::forward
+                                 ? finalize(pc, lv, tv, r0 + s0, at + s0, s0, m, row_loss, argmax)
+                                 : lse_c + s0;
+        if (!call_.gradients) continue;
+        const float* go_s = go != nullptr && call_.p.reduction == Reduction::none ? go + s0 : go;
+        char* g_rows =
+            static_cast<char*>(grad_) + s0 * V_ * static_cast<int64_t>(dtype_size(gdtype_));
+        cuda::gradient(pc, lv, LogitsView{g_rows, gdtype_, k, V_, V_}, tv, lse_s, gscalars_, go_s,
+                       stream_);
+      }
+      if (pass_ == Pass::forward && sp()) own_rows(r0, c, at, row_loss, argmax);
+      if (!call_.gradients) continue;
       const device::Operand g{grad_, gdtype_, V_};
       if (call_.out.d_hidden.data != nullptr) d_hidden(g, w, m, r0, c);
       if (dw) {
@@ -211,31 +227,37 @@ class Chunks {
     return buf;
   }
 
-  // Statistics, exchange and finalize of the chunk (Reduction::none: each row's loss into
-  // row_loss, or the output), this rank's rows of the per-row outputs copied out. Returns the
-  // chunk's lse.
-  const float* finalize(const core::Problem& pc, LogitsView lv, TargetsView tv, int64_t r0,
-                        int64_t c, int64_t at, float* row_loss, int64_t* argmax) {
-    const int64_t m = pc.rows;
+  // Statistics, exchange and finalize of a sub-chunk of k rows (Reduction::none: each row's loss
+  // into row_loss, or the output), the first of them at `row` of this rank's rows (without
+  // sequence parallelism), `at` of all rows and `s0` of the chunk's m (chunk order). Returns the
+  // sub-chunk's lse. With sequence parallelism the per-row outputs stay in chunk-order scratch
+  // until own_rows copies this rank's out.
+  const float* finalize(const core::Problem& pc, LogitsView lv, TargetsView tv, int64_t row,
+                        int64_t at, int64_t s0, int64_t m, float* row_loss, int64_t* argmax) {
     cuda::stats(pc, lv, tv, ws_.send, ws_.error, stream_);
-    if (ranks_ > 1) comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * m, stream_);
+    if (ranks_ > 1)
+      comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * pc.rows, stream_);
     const LinearOutputs& out = call_.out;
     core::Problem pn = pc;
     pn.reduction = Reduction::none;
     Outputs o;
-    float* lse = sp() || out.lse == nullptr ? per_row_ : out.lse + r0;
-    o.loss = row_loss != nullptr ? row_loss + at : out.loss + r0;
-    o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? per_row_ + m : out.z_loss + r0;
-    o.argmax = argmax != nullptr ? argmax + at : out.argmax != nullptr ? out.argmax + r0 : nullptr;
+    float* lse = sp() || out.lse == nullptr ? per_row_ + s0 : out.lse + row;
+    o.loss = row_loss != nullptr ? row_loss + at : out.loss + row;
+    o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? per_row_ + m + s0 : out.z_loss + row;
+    o.argmax = argmax != nullptr ? argmax + at : out.argmax != nullptr ? out.argmax + row : nullptr;
     cuda::finalize(pn, tv, ws_.recv, ranks_, o, lse, ws_.scalars, ws_.partials, stream_);
-    if (sp()) {  // this rank's rows of the chunk: [rank * c, rank * c + c)
-      const int64_t own = comm_.rank() * c;
-      copy(lse + own, out.lse, r0, c);
-      if (call_.p.reduction == Reduction::none) copy(o.loss + own, out.loss, r0, c);
-      copy(o.z_loss == nullptr ? nullptr : o.z_loss + own, out.z_loss, r0, c);
-      if (out.argmax != nullptr) copy(argmax + at + own, out.argmax, r0, c);
-    }
     return lse;
+  }
+
+  // Sequence parallelism: this rank's rows of the chunk ([rank * c, rank * c + c) in chunk
+  // order) of the per-row outputs, copied out to its rows [r0, r0 + c).
+  void own_rows(int64_t r0, int64_t c, int64_t at, const float* row_loss, const int64_t* argmax) {
+    const LinearOutputs& out = call_.out;
+    const int64_t own = comm_.rank() * c, m = c * plan_.ranks;
+    copy(per_row_ + own, out.lse, r0, c);
+    if (call_.p.reduction == Reduction::none) copy(row_loss + at + own, out.loss, r0, c);
+    if (out.z_loss != nullptr) copy(per_row_ + m + own, out.z_loss, r0, c);
+    if (out.argmax != nullptr) copy(argmax + at + own, out.argmax, r0, c);
   }
 
   template <typename T>
@@ -323,6 +345,7 @@ class Chunks {
   float* logits_ = nullptr;
   void* grad_ = nullptr;
   DType gdtype_ = DType::f32;
+  int64_t sub_rows_ = 1;
   float* per_row_ = nullptr;
   TargetsView targets_{}, targets_all_{};
   void* acc_ = nullptr;

@@ -13,23 +13,37 @@ void check_options(const LinearOptions& lopt) {
          ": must be >= 1, or 0 (rows from max_chunk_bytes)");
 }
 
-ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest) {
+ChunkCost chunk_cost(Backend backend, DType inputs) {
+  if (backend == Backend::cpu) return ChunkCost{2 * sizeof(float), 0};
+  if (inputs == DType::f32) return ChunkCost{sizeof(float), 0};
+  return ChunkCost{dtype_size(inputs), sizeof(float) * kSubChunkRows};
+}
+
+ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
+                      ChunkCost cost) {
   check_options(lopt);
   ChunkPlan plan;
   plan.ranks = lopt.sequence_parallel ? ranks : 1;
   if (lopt.chunk_rows > 0) {
     plan.rows = lopt.chunk_rows;
   } else {
-    // A row of logits and a row of their gradient, fp32, of the widest shard: every rank's
-    // chunk then fits, and every rank computes the same rows.
-    const size_t row_bytes = 2 * sizeof(float) * static_cast<size_t>(widest) * plan.ranks;
-    plan.rows = static_cast<int64_t>(lopt.max_chunk_bytes / row_bytes);
+    // Rows of the widest shard: every rank's chunk then fits, and every rank computes the same
+    // rows.
+    const size_t w = static_cast<size_t>(widest);
+    const size_t row_bytes = cost.per_logit * w * plan.ranks, fixed = cost.per_column * w;
+    plan.rows = lopt.max_chunk_bytes > fixed
+                    ? static_cast<int64_t>((lopt.max_chunk_bytes - fixed) / row_bytes)
+                    : 0;
     if (plan.rows < 1)
       fail("LinearOptions::max_chunk_bytes = " + std::to_string(lopt.max_chunk_bytes) +
-           ": must hold at least one row of logits and their gradient in fp32 (" +
-           std::to_string(row_bytes) + " bytes: 8 x " + std::to_string(widest) +
-           " columns of the widest shard" +
+           ": must hold at least one row of logits and their gradient (" +
+           std::to_string(row_bytes + fixed) +
+           " bytes on this backend: " + std::to_string(cost.per_logit) + " x " +
+           std::to_string(widest) + " columns of the widest shard" +
            (plan.ranks > 1 ? " x " + std::to_string(plan.ranks) + " ranks" : std::string()) +
+           (fixed > 0 ? " + " + std::to_string(fixed) + " for the fp32 logits of " +
+                            std::to_string(kSubChunkRows) + " rows"
+                      : std::string()) +
            "), or set chunk_rows");
   }
   plan.rows = std::min(plan.rows, std::max<int64_t>(rows, 1));

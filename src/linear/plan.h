@@ -28,8 +28,25 @@ struct ChunkPlan {
 // Throws xent::Error naming the argument, its value and the rule (before any collective).
 void check_options(const LinearOptions& lopt);
 
+// The CUDA backend makes the fp32 logits of 16-bit inputs this many rows at a time (src/linear/
+// cuda.cpp), turning each sub-chunk into its rows of the chunk's 16-bit gradient.
+constexpr int64_t kSubChunkRows = 128;
+
+// What a chunk holds, for the rows that max_chunk_bytes allows: bytes per logit of its rows (of
+// the widest shard, every rank's rows with sequence parallelism) and bytes per column that do not
+// grow with them.
+struct ChunkCost {
+  size_t per_logit = 0;
+  size_t per_column = 0;
+};
+// CPU: the fp32 logits, then their gradient in place, and a gathered copy: 8 bytes. CUDA: the
+// gradient in the inputs' dtype (f32 inputs: the logits too, in place), and for 16-bit inputs
+// the fp32 logits of one sub-chunk.
+ChunkCost chunk_cost(Backend backend, DType inputs);
+
 // `rows`: this rank's rows of hidden (the same on every rank); `ranks`: the group's size;
 // `widest`: the most columns of any rank's shard. Throws where max_chunk_bytes holds no row.
-ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest);
+ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
+                      ChunkCost cost);
 
 }  // namespace xent::linear

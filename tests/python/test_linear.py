@@ -425,10 +425,10 @@ def _has_megatron():
 
 
 @pytest.mark.skipif(not _has_megatron(), reason="megatron-core is not installed")
-def test_megatron_patch_leaves_the_linear_path_alone(tmp_path):
+def test_megatron_patch_covers_the_linear_path_where_it_exists(tmp_path):
     """In fresh processes: megatron-core 0.16.1 has no fused_linear_cross_entropy, and patch()
-    leaves that path alone; a megatron-core with it (a stand-in module) keeps Megatron's too, as
-    long as xent's fused lm head runs on the CPU backend only (Megatron's runs on CUDA)."""
+    leaves that path alone (imports nothing of it); a megatron-core with it (a stand-in module)
+    has it replaced by xent.megatron.linear_cross_entropy, and unpatch() puts Megatron's back."""
     script = textwrap.dedent("""
         import importlib.util, sys, types
         import xent.megatron as xm
@@ -442,8 +442,8 @@ def test_megatron_patch_leaves_the_linear_path_alone(tmp_path):
         else:
             assert importlib.util.find_spec(name) is None, "this megatron-core has it"
         xm.patch()
-        if sys.argv[1] == "with":  # left alone until xent's runs on CUDA, as Megatron's does
-            assert module.linear_cross_entropy is linear_cross_entropy
+        if sys.argv[1] == "with":
+            assert module.linear_cross_entropy.__wrapped__ is xm.linear_cross_entropy
             xm.unpatch()
             assert module.linear_cross_entropy is linear_cross_entropy
         else:
