@@ -6,7 +6,8 @@
 #
 # With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
 # CUDA and NCCL wheels; a few GB), and pytest, megatron-core==0.16.1 and scikit-build-core if
-# they are missing (for tests/python and tests/package), then prints
+# they are missing, and transformers==5.17.0 with accelerate==1.15.0 if either is missing or of
+# another version (for tests/python and tests/package), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
 #   -DPython3_EXECUTABLE=<that python3, for xent._C>
 #   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
@@ -48,6 +49,23 @@ xent_torch_cmake_args() {
     xent_torch_say "megatron-core is not importable: installing it from PyPI (python3 -m pip install megatron-core==0.16.1)"
     python3 -m pip install megatron-core==0.16.1 >&2 ||
       xent_torch_say "pip could not install megatron-core: its tests will skip"
+  fi
+  # tests/python/test_transformers.py checks xent.transformers against the Transformers version it
+  # was written for; its tensor-parallel test needs accelerate (tp_plan requires it).
+  local hf_tf=transformers==5.17.0 hf_acc=accelerate==1.15.0 hf_want hf_have
+  hf_want="$hf_tf $hf_acc"
+  hf_have=$(python3 -c 'import transformers, accelerate
+print(f"transformers=={transformers.__version__} accelerate=={accelerate.__version__}")' 2>/dev/null)
+  if [ "$hf_have" != "$hf_want" ]; then
+    xent_torch_say "${hf_have:-transformers or accelerate is not importable}: installing $hf_want from PyPI (python3 -m pip install $hf_want)"
+    if ! python3 -m pip install "$hf_tf" "$hf_acc" >&2; then
+      if [ -z "$hf_have" ]; then
+        xent_torch_say "pip could not install $hf_want: tests/python/test_transformers.py skips without"
+        xent_torch_say "transformers, and its Trainer and tp_plan tests without accelerate"
+      else
+        xent_torch_say "pip could not install $hf_want: the Transformers tests run with $hf_have"
+      fi
+    fi
   fi
   if ! python3 -c 'import scikit_build_core' >/dev/null 2>&1; then
     xent_torch_say "scikit-build-core is not importable: installing it from PyPI (python3 -m pip install scikit-build-core)"
