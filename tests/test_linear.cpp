@@ -113,9 +113,10 @@ TEST_F(Linear, Bf16Inputs) {
   }
 }
 
-// More rows than the CUDA backend's sub-chunk of fp32 logits (kSubChunkRows = 128): chunks of
-// 200 rows (two sub-chunks, the second short) and of max_chunk_bytes' choosing, 300 rows, with
-// per-row outputs and a per-row grad_output across the sub-chunks' seams.
+// Chunks of several of the CUDA backend's sub-chunks of fp32 logits (of bf16 inputs: a quarter
+// of max_chunk_bytes = 81920 holds 128 rows of 40 columns): chunks of 200 rows (two sub-chunks,
+// the second short) and of max_chunk_bytes' choosing (768 rows: all 300 in one chunk of three
+// sub-chunks), with per-row outputs and a per-row grad_output across the sub-chunks' seams.
 TEST_F(Linear, ChunksOfSeveralSubChunks) {
   const xent::Group g = local();
   for (int64_t rows : {200, 0}) {
@@ -129,6 +130,7 @@ TEST_F(Linear, ChunksOfSeveralSubChunks) {
       c.opt.reduction = Reduction::none;
       c.opt.compute_accuracy = true;
       c.lopt.chunk_rows = rows;
+      c.lopt.max_chunk_bytes = 81920;
       c.p_ignore = 0.1;
       if (mode == GradMode::deferred)
         for (int64_t i = 0; i < c.rows; ++i) c.grad_output.push_back(0.5 + 0.01 * (i % 7));

@@ -35,7 +35,7 @@ struct LinearOptions {
   // With chunk_rows = 0: a chunk's buffers take at most this many bytes, counted for the widest
   // rank's shard (it must hold one row of each rank). CPU: its logits and their gradient in fp32,
   // 8 bytes per row and column. CUDA: its gradient in the inputs' dtype (2 or 4 bytes per row and
-  // column), plus for 16-bit inputs the fp32 logits of 128 rows at a time (512 bytes a column).
+  // column), its fp32 logits for 16-bit inputs made a sub-chunk at a time in a quarter of it.
   // The CUDA backend's other buffers: the fp32 d_weight accumulator where d_weight is not f32
   // and there is more than one chunk ([V_local, H]), cuBLASLt's 32 MiB workspace.
   size_t max_chunk_bytes = size_t(256) << 20;

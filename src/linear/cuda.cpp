@@ -103,7 +103,7 @@ class Chunks {
     gdtype_ = call_.hidden.dtype;  // the gradient's, as the GEMMs that consume it take it
     // f32 inputs: the logits are made and turned into their gradient in place, a whole chunk at
     // once. 16-bit: the chunk's gradient [m, V] in 16 bits, its fp32 logits a sub-chunk at a time.
-    sub_rows_ = gdtype_ == DType::f32 ? std::max<int64_t>(m, 1) : kSubChunkRows;
+    sub_rows_ = plan_.sub_rows > 0 ? plan_.sub_rows : std::max<int64_t>(m, 1);
     grad_ = s_->grad.get<char>(m * V_ * static_cast<int64_t>(dtype_size(gdtype_)), stream_);
     logits_ = gdtype_ == DType::f32 ? static_cast<float*>(grad_)
                                     : s_->logits.get<float>(std::min(m, sub_rows_) * V_, stream_);

@@ -14,6 +14,9 @@ struct ChunkPlan {
   int64_t rows = 0;    // this rank's rows per chunk (the last chunk may have fewer)
   int64_t chunks = 0;  // ceil(this rank's rows / rows); 0 when there are none
   int64_t ranks = 1;   // ranks whose rows a chunk holds: the group's with sequence_parallel, else 1
+  // Rows of a sub-chunk (the CUDA backend's fp32 logits of 16-bit inputs, made a sub-chunk at a
+  // time); 0 where the backend makes a chunk's logits at once.
+  int64_t sub_rows = 0;
 
   int64_t first(int64_t chunk) const { return chunk * rows; }
   // This rank's rows in `chunk` of a rank holding `total` rows.
@@ -28,20 +31,17 @@ struct ChunkPlan {
 // Throws xent::Error naming the argument, its value and the rule (before any collective).
 void check_options(const LinearOptions& lopt);
 
-// The CUDA backend makes the fp32 logits of 16-bit inputs this many rows at a time (src/linear/
-// cuda.cpp), turning each sub-chunk into its rows of the chunk's 16-bit gradient.
-constexpr int64_t kSubChunkRows = 128;
-
 // What a chunk holds, for the rows that max_chunk_bytes allows: bytes per logit of its rows (of
-// the widest shard, every rank's rows with sequence parallelism) and bytes per column that do not
-// grow with them.
+// the widest shard, every rank's rows with sequence parallelism), and bytes per logit of a
+// sub-chunk (0: none), whose rows take a quarter of max_chunk_bytes.
 struct ChunkCost {
   size_t per_logit = 0;
-  size_t per_column = 0;
+  size_t sub_logit = 0;
 };
-// CPU: the fp32 logits, then their gradient in place, and a gathered copy: 8 bytes. CUDA: the
-// gradient in the inputs' dtype (f32 inputs: the logits too, in place), and for 16-bit inputs
-// the fp32 logits of one sub-chunk.
+// CPU: the fp32 logits, then their gradient in place: 8 bytes. CUDA: the gradient in the inputs'
+// dtype (f32 inputs: the logits too, in place), and for 16-bit inputs the fp32 logits of a
+// sub-chunk (src/linear/cuda.cpp makes them a sub-chunk at a time; a quarter of the budget gives
+// its GEMM rows enough to fill the GPU even where the shard is narrow).
 ChunkCost chunk_cost(Backend backend, DType inputs);
 
 // `rows`: this rank's rows of hidden (the same on every rank); `ranks`: the group's size;

@@ -54,14 +54,16 @@ def test_matches_float64(dtype, reduction, variant, grad_mode, chunk_rows):
 @pytest.mark.parametrize("chunk_rows", [0, 200])
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 def test_rows_past_one_sub_chunk(grad_mode, chunk_rows):
-    """300 rows of bfloat16: chunks of several of the CUDA backend's 128-row sub-chunks of fp32
-    logits, a per-token grad_output across their seams."""
+    """300 rows of bfloat16: chunks of several of the CUDA backend's sub-chunks of fp32 logits
+    (a quarter of max_chunk_bytes = 81920 holds 66 rows of 77 columns), a per-token grad_output
+    across their seams."""
     rows = (300,)
     hidden, weight, target = inputs(torch.bfloat16, seed=6, rows=rows)
     go = torch.rand(rows, generator=torch.Generator().manual_seed(7)) + 0.5
     want = reference(hidden, weight, target, go, "none")
     loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), go.cuda(),
-                             reduction="none", grad_mode=grad_mode, chunk_rows=chunk_rows)
+                             reduction="none", grad_mode=grad_mode, chunk_rows=chunk_rows,
+                             max_chunk_bytes=81920)
     torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
     assert excess(dh, want[1], want[3], torch.bfloat16) <= 0.5, "d_hidden"
     assert excess(dw, want[2], want[4], torch.bfloat16) <= 0.5, "d_weight"
