@@ -31,6 +31,8 @@ ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_
   if (cost.sub_logit > 0) {
     plan.sub_rows =
         std::max<int64_t>(1, static_cast<int64_t>(lopt.max_chunk_bytes / 4 / (cost.sub_logit * w)));
+    // Whole tiles of the GEMM's rows (128): 130 rows would take a second row of tiles for 2.
+    if (plan.sub_rows > 128) plan.sub_rows -= plan.sub_rows % 128;
     fixed = static_cast<size_t>(plan.sub_rows) * cost.sub_logit * w;
   }
   if (lopt.chunk_rows > 0) {
