@@ -1,0 +1,90 @@
+"""Where the fused lm head's step spends its time: xent.linear_cross_entropy forward + backward
+under torch.profiler, the device time of each kernel family (cuBLASLt GEMMs by shape, xent's
+kernels, copies and memsets) summed over --iters steps and shown per step, beside the step's
+wall time. What the issue's "limit explained with profiler figures" asks for.
+
+    XENT_TORCH_LIB=build/src/torch/libxent_torch.so PYTHONPATH=python \\
+        python3 bench/linear_profile.py --vocab 128256 [--max-chunk-mib 256] [--grad-mode fused]
+
+On CPU (--device cpu, small shapes) it runs and prints the CPU operators instead: a smoke test.
+"""
+
+import argparse
+import collections
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python"))
+import xent  # noqa: E402
+
+
+def family(name):
+    """A kernel's family: GEMMs together (cuBLASLt's names carry tile shapes), xent's by name."""
+    low = name.lower()
+    if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
+        return "GEMM (cuBLASLt)"
+    if "xent" in low:
+        return name.split("(")[0].split("<")[0].strip()
+    if "memcpy" in low or "memset" in low:
+        return "memcpy/memset"
+    return name.split("(")[0].split("<")[0].strip()[:60]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--grad-mode", choices=["fused", "deferred"], default="fused")
+    p.add_argument("--max-chunk-mib", type=int, default=256)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args()
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    gen = torch.Generator(device=a.device).manual_seed(0)
+    h = torch.randn(a.tokens, a.hidden, device=a.device, generator=gen).to(dt).requires_grad_()
+    w = (torch.randn(a.vocab, a.hidden, device=a.device, generator=gen) * 2 * a.hidden ** -0.5
+         ).to(dt).requires_grad_()
+    y = torch.randint(0, a.vocab, (a.tokens,), device=a.device, generator=gen)
+    cuda = a.device.startswith("cuda")
+
+    def step():
+        h.grad = w.grad = None
+        loss = xent.linear_cross_entropy(h, w, y, grad_mode=a.grad_mode,
+                                         max_chunk_bytes=a.max_chunk_mib << 20)
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+
+    step()  # buffers grown, algorithms chosen
+    t0 = time.perf_counter()
+    for _ in range(a.iters):
+        step()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / a.iters
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(a.iters):
+            step()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for e in prof.key_averages():
+        t = e.device_time_total if cuda else e.self_cpu_time_total
+        if t <= 0 or (cuda and e.device_type != torch.autograd.DeviceType.CUDA):
+            continue
+        f = per[family(e.key)]
+        f[0] += t / 1e3 / a.iters
+        f[1] += e.count // a.iters
+    print(f"# {a.device}, {a.dtype}, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, "
+          f"{a.grad_mode}, max_chunk_bytes {a.max_chunk_mib} MiB: {wall_ms:.2f} ms a step")
+    print("| kernels | ms a step | launches a step |\n|---|---|---|")
+    for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"| {name} | {ms:.3f} | {n} |")
+
+
+if __name__ == "__main__":
+    main()
