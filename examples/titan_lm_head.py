@@ -11,8 +11,8 @@ the shard's place) and the logits are never made, not even a rank's shard of the
 of rows at a time); the loss comes back as a replicated DTensor and the weight's gradient flows
 into the DTensor, sharded. A few AdamW steps on one batch print the loss on rank 0; the first is
 checked against F.cross_entropy of the gathered logits (the loss, the gradients of the lm head's
-shard and of a block). Run on CPU (Gloo); the CUDA path (--device cuda) has not been run on GPUs
-yet. Needs libxent_torch.so (built with -DXENT_WITH_TORCH=ON; `import xent` from python/ finds
+shard and of a block). Run on CPU (Gloo, 2 and 3 ranks), and with --device cuda on one H100 (one
+rank, NCCL); not yet on several GPUs. Needs libxent_torch.so (built with -DXENT_WITH_TORCH=ON; `import xent` from python/ finds
 it, or set XENT_TORCH_LIB). See docs/transformers.md ("TorchTitan's way") and docs/torch.md.
 """
 
