@@ -172,7 +172,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   }
 
   if (check_ranks_on_cuda()) {
-    const size_t tbytes = static_cast<size_t>(p.rows) * (targets.type == IndexType::i32 ? 4 : 8);
+    const size_t tbytes = static_cast<size_t>(p.rows) * core::target_size(targets.type);
     std::vector<char> host(tbytes);
     if (tbytes > 0)
       check_cuda(cudaMemcpy(host.data(), targets.data, tbytes, cudaMemcpyDeviceToHost),

@@ -31,6 +31,11 @@ struct Elem<DType::f16> {
   static XENT_HD type store(float v) { return __float2half_rn(v); }
 };
 
+// Bytes of one target of this index type.
+XENT_HD size_t target_size(IndexType type) {
+  return type == IndexType::i32 ? 4 : 8;
+}
+
 XENT_HD int64_t load_target(const void* targets, IndexType type, int64_t row) {
   return type == IndexType::i32 ? static_cast<int64_t>(static_cast<const int32_t*>(targets)[row])
                                 : static_cast<const int64_t*>(targets)[row];

@@ -106,7 +106,7 @@ class Chunks {
     const TargetsView& t = call_.targets;
     if (!call_.sequence_parallel) {
       h_ = as_f32(call_.hidden, r0, c, s_->mine, &ldh_);
-      const size_t tsize = t.type == IndexType::i32 ? 4 : 8;
+      const size_t tsize = core::target_size(t.type);
       tv_ = TargetsView{static_cast<const char*>(t.data) + r0 * tsize, t.type, c};
       return;
     }

@@ -77,10 +77,6 @@ struct Scratch {
   DeviceBuffer scalars;   // [Workspace::kScalars]: the gradient's scale of the whole problem
 };
 
-size_t target_bytes(IndexType t) {
-  return t == IndexType::i32 ? 4 : 8;
-}
-
 class Chunks {
  public:
   Chunks(const Group& group, const Call& call, const Agreed& agreed, Pass pass, cudaStream_t stream)
@@ -174,7 +170,7 @@ class Chunks {
 
  private:
   bool sp() const { return call_.sequence_parallel; }
-  int64_t tsize() const { return static_cast<int64_t>(target_bytes(call_.targets.type)); }
+  int64_t tsize() const { return static_cast<int64_t>(core::target_size(call_.targets.type)); }
 
   // Every row's targets in chunk order: the call's own without sequence parallelism; else every
   // rank's gathered (rank order, targets_all_, for the gradient's scale) and rearranged.

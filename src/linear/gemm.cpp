@@ -103,23 +103,17 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
   auto it = algos_.find(key);
   if (it == algos_.end()) {
     check_lt(cublasLtMatmulPreferenceCreate(&d.pref), "PreferenceCreate");
-    const uint64_t ws = kWorkspaceBytes;
-    check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                  &ws, sizeof ws),
-             "set MAX_WORKSPACE_BYTES");
+    const auto prefer = [&](cublasLtMatmulPreferenceAttributes_t attr, auto value) {
+      check_lt(cublasLtMatmulPreferenceSetAttribute(d.pref, attr, &value, sizeof value),
+               "MatmulPreferenceSetAttribute");
+    };
+    prefer(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, uint64_t{kWorkspaceBytes});
+    // What the pointers are aligned to: cuBLASLt's A is our b, its B our a.
     const uint32_t al_a = std::get<11>(key), al_b = std::get<12>(key), al_c = std::get<13>(key);
-    check_lt(cublasLtMatmulPreferenceSetAttribute(
-                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a),
-             "set MIN_ALIGNMENT_A");
-    check_lt(cublasLtMatmulPreferenceSetAttribute(
-                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b),
-             "set MIN_ALIGNMENT_B");
-    check_lt(cublasLtMatmulPreferenceSetAttribute(
-                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c),
-             "set MIN_ALIGNMENT_C");
-    check_lt(cublasLtMatmulPreferenceSetAttribute(
-                 d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c),
-             "set MIN_ALIGNMENT_D");
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_a);
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b);
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c);
+    prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     check_lt(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
