@@ -113,10 +113,10 @@ TEST_F(Linear, Bf16Inputs) {
   }
 }
 
-// Chunks of several of the CUDA backend's sub-chunks of fp32 logits (of bf16 inputs: a quarter
-// of max_chunk_bytes = 81920 holds 128 rows of 40 columns): chunks of 200 rows (two sub-chunks,
-// the second short) and of max_chunk_bytes' choosing (768 rows: all 300 in one chunk of three
-// sub-chunks), with per-row outputs and a per-row grad_output across the sub-chunks' seams.
+// Chunks of several of the CUDA backend's sub-chunks of fp32 logits of bf16 inputs (plan.h, 40
+// columns, max_chunk_bytes = 81920): chunks of 200 rows (sub-chunks of 128 rows: two, the second
+// short) and of max_chunk_bytes' choosing (all 300 rows in one chunk of sub-chunks of 256 rows:
+// 256 and 44), with per-row outputs and a per-row grad_output across the sub-chunks' seams.
 TEST_F(Linear, ChunksOfSeveralSubChunks) {
   const xent::Group g = local();
   for (int64_t rows : {200, 0}) {

@@ -35,9 +35,12 @@ struct LinearOptions {
   // With chunk_rows = 0: a chunk's buffers take at most this many bytes, counted for the widest
   // rank's shard (it must hold one row of each rank). CPU: its logits and their gradient in fp32,
   // 8 bytes per row and column. CUDA: its gradient in the inputs' dtype (2 or 4 bytes per row and
-  // column), its fp32 logits for 16-bit inputs made a sub-chunk at a time in a quarter of it.
-  // The CUDA backend's other buffers: the fp32 d_weight accumulator where d_weight is not f32
-  // and there is more than one chunk ([V_local, H]), cuBLASLt's 32 MiB workspace.
+  // column) and, for 16-bit inputs, the fp32 logits of a sub-chunk of at most 512 rows. The
+  // CUDA backend's other buffers: the fp32 d_weight accumulator where d_weight is not f32 and
+  // there is more than one chunk ([V_local, H]), cuBLASLt's 32 MiB workspace. Where that
+  // accumulator would be no smaller than the whole 16-bit gradient of every row (rows <= 2 H),
+  // the chunk is every row instead (the gradient takes [rows, V_local] 16-bit beside this bound,
+  // and the sub-chunk all of it): docs/linear.md, "The CUDA backend".
   size_t max_chunk_bytes = size_t(256) << 20;
   // d_weight += the gradient rather than = it (Megatron's main_grad); d_weight must be f32, and
   // its padding rows (past vocab_size) are left as they are.

@@ -129,6 +129,7 @@ struct Header {
   int64_t max_chunk_bytes = 0;
   int64_t d_hidden = 0;  // computed here: it is summed over the ranks
   int64_t valid_rows = 0;
+  int64_t accumulator = 0;  // bytes of d_weight's fp32 accumulator over several chunks (plan.h)
 };
 
 // Fails on every rank alike where a field differs from rank 0's.
@@ -178,6 +179,11 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.chunk_rows = lopt.chunk_rows;
   mine.max_chunk_bytes = static_cast<int64_t>(lopt.max_chunk_bytes);
   mine.d_hidden = call.gradients && call.out.d_hidden.data != nullptr ? 1 : 0;
+  // The CUDA backend accumulates a 16-bit d_weight in fp32 scratch over several chunks.
+  const MatrixView& dw = call.out.d_weight;
+  if (group.backend() == Backend::cuda && call.gradients && dw.data != nullptr &&
+      dw.dtype != DType::f32)
+    mine.accumulator = static_cast<int64_t>(sizeof(float)) * p.real_cols * call.hidden.cols;
 
   const int ranks = group.size();
   std::vector<Header> all(ranks);
@@ -210,13 +216,16 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   core::check_headers(layouts.data(), ranks, /*check_tiling=*/true);
 
   Agreed a;
-  int64_t widest = 0;
+  int64_t widest = 0, accumulator = 0;
   for (const Header& h : all) {
     widest = std::max(widest, h.layout.width);
+    accumulator = std::max(accumulator, h.accumulator);
     if (call.sequence_parallel) a.valid_rows += h.valid_rows;
   }
   if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
-  a.plan = plan_chunks(lopt, p.rows, ranks, widest, chunk_cost(group.backend(), call.hidden.dtype));
+  a.plan =
+      plan_chunks(lopt, p.rows, ranks, widest,
+                  chunk_cost(group.backend(), call.hidden.dtype, static_cast<size_t>(accumulator)));
   return a;
 }
 

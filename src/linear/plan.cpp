@@ -13,11 +13,29 @@ void check_options(const LinearOptions& lopt) {
          ": must be >= 1, or 0 (rows from max_chunk_bytes)");
 }
 
-ChunkCost chunk_cost(Backend backend, DType inputs) {
-  if (backend == Backend::cpu) return ChunkCost{2 * sizeof(float), 0};
-  if (inputs == DType::f32) return ChunkCost{sizeof(float), 0};
-  return ChunkCost{dtype_size(inputs), sizeof(float)};
+ChunkCost chunk_cost(Backend backend, DType inputs, size_t accumulator) {
+  if (backend == Backend::cpu) return ChunkCost{2 * sizeof(float), 0, 0};
+  if (inputs == DType::f32) return ChunkCost{sizeof(float), 0, 0};
+  return ChunkCost{dtype_size(inputs), sizeof(float), accumulator};
 }
+
+namespace {
+
+// The most rows of `row_bytes` each in `bytes`, at most `most`, in whole 128-row tiles where
+// there are more.
+int64_t rows_in(size_t bytes, size_t row_bytes, int64_t most) {
+  int64_t r = std::min<int64_t>(most, static_cast<int64_t>(bytes / row_bytes));
+  if (r > 128) r -= r % 128;
+  return r;
+}
+
+[[noreturn]] void no_row(const LinearOptions& lopt, size_t needed, const std::string& what) {
+  fail("LinearOptions::max_chunk_bytes = " + std::to_string(lopt.max_chunk_bytes) +
+       ": must hold at least one row of logits and their gradient (" + std::to_string(needed) +
+       " bytes on this backend: " + what + "), or set chunk_rows");
+}
+
+}  // namespace
 
 ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
                       ChunkCost cost) {
@@ -27,33 +45,42 @@ ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_
   // Counted for the widest shard: every rank's chunk then fits, and every rank computes the same
   // rows.
   const size_t w = static_cast<size_t>(widest);
-  size_t fixed = 0;
-  if (cost.sub_logit > 0) {
-    plan.sub_rows =
-        std::max<int64_t>(1, static_cast<int64_t>(lopt.max_chunk_bytes / 4 / (cost.sub_logit * w)));
-    // Whole tiles of the GEMM's rows (128): 130 rows would take a second row of tiles for 2.
-    if (plan.sub_rows > 128) plan.sub_rows -= plan.sub_rows % 128;
-    fixed = static_cast<size_t>(plan.sub_rows) * cost.sub_logit * w;
-  }
+  const size_t row_bytes = cost.per_logit * w * static_cast<size_t>(plan.ranks);
+  const size_t sub_row_bytes = cost.sub_logit * w;
+  const size_t budget = lopt.max_chunk_bytes;
+  const int64_t most = std::max<int64_t>(rows, 1);
+  const std::string per_logit =
+      std::to_string(cost.per_logit) + " x " + std::to_string(widest) +
+      " columns of the widest shard" +
+      (plan.ranks > 1 ? " x " + std::to_string(plan.ranks) + " ranks" : std::string());
+  const std::string sub = std::to_string(cost.sub_logit) + " x " + std::to_string(widest) +
+                          " for the fp32 logits of a sub-chunk";
   if (lopt.chunk_rows > 0) {
-    plan.rows = lopt.chunk_rows;
+    plan.rows = std::min(lopt.chunk_rows, most);
+    if (cost.sub_logit > 0)
+      plan.sub_rows = std::max<int64_t>(
+          1, rows_in(budget, sub_row_bytes, std::min(kSubRows, plan.logits_rows())));
+  } else if (cost.sub_logit > 0 && cost.accumulator > 0 &&
+             row_bytes * static_cast<size_t>(most) <= cost.accumulator) {
+    plan.rows = most;
+    plan.sub_rows = rows_in(budget, sub_row_bytes, plan.logits_rows());
+    if (plan.sub_rows < 1) no_row(lopt, sub_row_bytes, sub);
   } else {
-    const size_t row_bytes = cost.per_logit * w * plan.ranks;
-    plan.rows = lopt.max_chunk_bytes > fixed
-                    ? static_cast<int64_t>((lopt.max_chunk_bytes - fixed) / row_bytes)
-                    : 0;
-    if (plan.rows < 1)
-      fail("LinearOptions::max_chunk_bytes = " + std::to_string(lopt.max_chunk_bytes) +
-           ": must hold at least one row of logits and their gradient (" +
-           std::to_string(row_bytes + fixed) +
-           " bytes on this backend: " + std::to_string(cost.per_logit) + " x " +
-           std::to_string(widest) + " columns of the widest shard" +
-           (plan.ranks > 1 ? " x " + std::to_string(plan.ranks) + " ranks" : std::string()) +
-           (fixed > 0 ? " + " + std::to_string(fixed) + " for the fp32 logits of a sub-chunk"
-                      : std::string()) +
-           "), or set chunk_rows");
+    if (cost.sub_logit > 0)
+      plan.sub_rows = rows_in(budget, sub_row_bytes + cost.per_logit * w,
+                              std::min(kSubRows, most * plan.ranks));
+    const size_t fixed = static_cast<size_t>(plan.sub_rows) * sub_row_bytes;
+    plan.rows = budget > fixed ? static_cast<int64_t>((budget - fixed) / row_bytes) : 0;
+    if (plan.rows < 1 || (cost.sub_logit > 0 && plan.sub_rows < 1))
+      no_row(lopt, row_bytes + sub_row_bytes,
+             per_logit + (cost.sub_logit > 0 ? " + " + sub : std::string()));
+    plan.rows = std::min(plan.rows, most);
+    // Whole sub-chunks where there are several chunks: a short one rereads the whole weight for
+    // a few rows.
+    const int64_t m = plan.logits_rows();
+    if (plan.sub_rows > 0 && plan.rows < most && m > plan.sub_rows)
+      plan.rows = std::max<int64_t>(1, (m - m % plan.sub_rows) / plan.ranks);
   }
-  plan.rows = std::min(plan.rows, std::max<int64_t>(rows, 1));
   plan.chunks = (rows + plan.rows - 1) / plan.rows;
   return plan;
 }

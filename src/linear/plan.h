@@ -33,19 +33,30 @@ void check_options(const LinearOptions& lopt);
 
 // What a chunk holds, for the rows that max_chunk_bytes allows: bytes per logit of its rows (of
 // the widest shard, every rank's rows with sequence parallelism), and bytes per logit of a
-// sub-chunk (0: none), whose rows take a quarter of max_chunk_bytes.
+// sub-chunk (0: none).
 struct ChunkCost {
   size_t per_logit = 0;
   size_t sub_logit = 0;
+  // Bytes of the fp32 accumulator that d_weight needs over more than one chunk (0: none, as
+  // where d_weight is f32 or not computed). Where the whole gradient of every row takes no more,
+  // one chunk of every row is both leaner and faster: its d_weight GEMM writes d_weight directly.
+  size_t accumulator = 0;
 };
 // CPU: the fp32 logits, then their gradient in place: 8 bytes. CUDA: the gradient in the inputs'
 // dtype (f32 inputs: the logits too, in place), and for 16-bit inputs the fp32 logits of a
-// sub-chunk (src/linear/cuda.cpp makes them a sub-chunk at a time; a quarter of the budget gives
-// its GEMM rows enough to fill the GPU even where the shard is narrow).
-ChunkCost chunk_cost(Backend backend, DType inputs);
+// sub-chunk (src/linear/cuda.cpp makes them a sub-chunk at a time).
+ChunkCost chunk_cost(Backend backend, DType inputs, size_t accumulator);
+
+// Rows of a sub-chunk: at most kSubRows, so that its logits GEMM reads the weight once per that
+// many rows (fewer leave the GEMM waiting on memory: 128 rows took 2x the GEMM's time on H100),
+// and whole tiles of the GEMM's 128 rows where there are more.
+constexpr int64_t kSubRows = 512;
 
 // `rows`: this rank's rows of hidden (the same on every rank); `ranks`: the group's size;
 // `widest`: the most columns of any rank's shard. Throws where max_chunk_bytes holds no row.
+// With chunk_rows = 0 and 16-bit inputs on CUDA: one chunk of every row where its gradient fits
+// in cost.accumulator, its sub-chunk then taking all of max_chunk_bytes; else a sub-chunk of at
+// most kSubRows rows and the chunk (whole sub-chunks) in the rest.
 ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
                       ChunkCost cost);
 

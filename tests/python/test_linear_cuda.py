@@ -55,7 +55,8 @@ def test_matches_float64(dtype, reduction, variant, grad_mode, chunk_rows):
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 def test_rows_past_one_sub_chunk(grad_mode, chunk_rows):
     """300 rows of bfloat16: chunks of several of the CUDA backend's sub-chunks of fp32 logits
-    (a quarter of max_chunk_bytes = 81920 holds 66 rows of 77 columns), a per-token grad_output
+    (src/linear/plan.h, max_chunk_bytes = 81920, 77 columns: sub-chunks of 128 rows, in chunks of
+    200 rows or of 256 and 44 of max_chunk_bytes' choosing), a per-token grad_output
     across their seams."""
     rows = (300,)
     hidden, weight, target = inputs(torch.bfloat16, seed=6, rows=rows)
