@@ -27,7 +27,8 @@ def family(name):
     if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
         return "GEMM " + name[:70]  # the kernel's name tells its tile shape: one row per GEMM kind
     if "xent" in low:  # "void xent::cuda::(anonymous namespace)::stats_kernel<...>(...)"
-        return name.replace("(anonymous namespace)::", "").removeprefix("void ").split("(")[0].split("<")[0].strip()
+        name = name.replace("(anonymous namespace)::", "").removeprefix("void ")
+        return name.split("(")[0].split("<")[0].strip()
     if "memcpy" in low or "memset" in low:
         return "memcpy/memset"
     return name.split("(")[0].split("<")[0].strip()[:60]

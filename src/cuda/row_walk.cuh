@@ -191,22 +191,20 @@ struct RowWalk {
   }
 
   // out[c] = f(in[c], c) for c in [0, n). Stores are 16-byte packs at out's alignment; loads
-  // too where in has the same type and alignment modulo 16 bytes (always so in place), else
-  // element loads (in of another type: fp32 logits whose gradient is stored in 16 bits). in ==
-  // out is allowed (in place); otherwise the two must not overlap.
+  // too where in's body is 16-byte aligned there (always so in place): one pack of in's type
+  // where it is out's, else as many as a pack of out's elements takes (fp32 logits whose
+  // gradient is stored in 16 bits: two). Otherwise element loads. in == out is allowed (in
+  // place); otherwise the two must not overlap.
   template <typename TI, typename F>
   static __device__ __forceinline__ void transform(const TI* in, T* out, int n, int t, F&& f) {
     const RowSplit s = split_row(out, n);
     if (t < s.head) out[t] = f(in[t], t);
     if (t < n - s.tail0) out[s.tail0 + t] = f(in[s.tail0 + t], s.tail0 + t);
     uint4* q = reinterpret_cast<uint4*>(out + s.head);
-    if constexpr (std::is_same_v<TI, T>) {
-      if (((reinterpret_cast<uintptr_t>(in) ^ reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
-        transform_body<true>(in + s.head, q, s, t, f);
-        return;
-      }
-    }
-    transform_body<false>(in + s.head, q, s, t, f);
+    if ((reinterpret_cast<uintptr_t>(in + s.head) & 15u) == 0)
+      transform_body<true>(in + s.head, q, s, t, f);
+    else
+      transform_body<false>(in + s.head, q, s, t, f);
   }
 
   // out[c] = +0 for c in [0, n) (all-zero bits are +0 in every dtype).
@@ -230,10 +228,18 @@ struct RowWalk {
         const int i = i0 + u * kGroup;
         if (i < s.nv) {
           if constexpr (kAligned) {
-            Pack<T> v;
-            v.v = reinterpret_cast<const uint4*>(xb)[i];
+            // kN elements of TI: sizeof(TI) 16-byte packs (T is 2 or 4 bytes, TI no narrower).
+            constexpr int kPacksIn = kN * static_cast<int>(sizeof(TI)) / 16;
+            static_assert(kPacksIn * 16 == kN * static_cast<int>(sizeof(TI)), "whole packs");
+            union {
+              uint4 v[kPacksIn];
+              TI e[kN];
+            } w;
 #pragma unroll
-            for (int e = 0; e < kN; ++e) x[u][e] = v.e[e];
+            for (int k = 0; k < kPacksIn; ++k)
+              w.v[k] = reinterpret_cast<const uint4*>(xb)[i * kPacksIn + k];
+#pragma unroll
+            for (int e = 0; e < kN; ++e) x[u][e] = w.e[e];
           } else {
 #pragma unroll
             for (int e = 0; e < kN; ++e) x[u][e] = xb[i * kN + e];
