@@ -99,6 +99,8 @@ def run_row(args):
     """Child process: one row of one model; returns its result dict."""
     family, config = MODELS[args.model]
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # set_device needs an index
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)  # mem_get_info() and the peak stats are the current device's
