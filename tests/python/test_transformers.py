@@ -6,12 +6,12 @@ intermediate 128, 4 heads, 2 KV heads, initializer_range 0.1 so that the logits 
 few units; Gemma's final-logit softcap 2, small enough to bend them) built by
 AutoModelForCausalLM.from_config: nothing is downloaded. Against the same model unpatched, on a
 batch [2, 12] with ignored (-100) labels:
-  * float32: the loss within 1e-6 (relative) and every parameter's gradient within 1e-5 of its
+  * float32 (on CPU, and on CUDA where there is a GPU): the loss within 1e-6 (relative) and every parameter's gradient within 1e-5 of its
     largest element (ranks.assert_close, as the other float32 tests here). Both paths compute
     the logits in float32 and differ only in summation order (xent's chunked GEMMs against one
     GEMM, V = 256 softmax terms): measured (3 seeds, every family) at most 1 ulp on the loss and
     1.0e-6 on the gradients, a tenth of the tolerance;
-  * bfloat16: the loss within 2^-8 (bf16's unit roundoff; measured <= 8e-5) and each gradient
+  * bfloat16 (CPU, and CUDA): the loss within 2^-8 (bf16's unit roundoff; measured <= 8e-5) and each gradient
     within 2^-5 in norm (measured <= 2.2e-2: the network's own bf16 backward dominates); and,
     against the float32 model of the same weights, all gradients together are no less accurate
     than Transformers' own bf16 path (within 25%; measured 0.91x to 1.05x of its error).
@@ -81,6 +81,9 @@ BF16_LOSS = 2.0 ** -8
 BF16_GRAD = 2.0 ** -5
 # GPT-2 has no tp_plan in transformers 5.17.0: from_pretrained(tp_plan="auto") leaves it whole
 TP_FAMILIES = [f for f in FAMILIES if f != "gpt2"]
+# The float32 and bfloat16 comparisons run on the GPU too where there is one (the fused lm head's
+# CUDA backend under Transformers)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DEADLINE_S = 240
 
 
@@ -155,9 +158,10 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32(family, calls):
-    model = build(family)
-    ids, labels = batch()
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32(family, device, calls):
+    model = build(family).to(device)
+    ids, labels = (t.to(device) for t in batch())
     want = step(model, ids, labels)
     got = patched_step(model, ids, labels)
     assert len(calls) == 1 and calls[0]["reduction"] == "mean"
@@ -167,10 +171,11 @@ def test_float32(family, calls):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bfloat16(family):
-    model = build(family, torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16(family, device):
+    model = build(family, torch.bfloat16).to(device)
     reference = copy.deepcopy(model).float()  # the same weights, in float32
-    ids, labels = batch()
+    ids, labels = (t.to(device) for t in batch())
     _, want_loss, want = step(model, ids, labels)
     _, loss, got = patched_step(model, ids, labels)
     _, _, exact = step(reference, ids, labels)
