@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 
+#include "linear_op.h"
 #include "op.h"
 #include "xent/mpi.h"
 
@@ -82,7 +83,8 @@ double time_alone(Device& dev, const Step& step, int warmup, int iters) {
 // Forward + backward on the buffer as it is, between marks around each call: back to back
 // (means), or each step alone from an idle device, the ranks starting together (medians): what
 // the host's latency costs a training step that reaches its loss with the GPU waiting.
-void time_steps(const Settings& s, Device& dev, Operation& op, Result& r) {
+template <class Op>
+void time_steps(const Settings& s, Device& dev, Op& op, Result& r) {
   const Step fwd = [&op] { op.forward(); }, bwd = [&op] { op.backward(); };
   const GraphExec gf = s.graph ? capture(dev, fwd) : GraphExec(nullptr, cudaGraphExecDestroy);
   const GraphExec gb = s.graph ? capture(dev, bwd) : GraphExec(nullptr, cudaGraphExecDestroy);
@@ -130,10 +132,14 @@ void time_steps(const Settings& s, Device& dev, Operation& op, Result& r) {
 
 // The slowest rank's times and memory, as nccl-tests reports them; the wrong values of all ranks.
 void slowest_rank(Result& r, double gather_ms, int64_t extra_bytes) {
-  double mine[5] = {r.fwd_ms, r.bwd_ms, r.total_ms, gather_ms,
-                    static_cast<double>(std::max<int64_t>(0, extra_bytes))};
-  double worst[5];
-  MPI_Allreduce(mine, worst, 5, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  double mine[6] = {r.fwd_ms,
+                    r.bwd_ms,
+                    r.total_ms,
+                    gather_ms,
+                    static_cast<double>(std::max<int64_t>(0, extra_bytes)),
+                    r.gemm3_ms};
+  double worst[6];
+  MPI_Allreduce(mine, worst, 6, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
   long long w = r.wrong, wsum = 0;
   MPI_Allreduce(&w, &wsum, 1, MPI_LONG_LONG, MPI_SUM, MPI_COMM_WORLD);
   r.fwd_ms = worst[0];
@@ -141,11 +147,27 @@ void slowest_rank(Result& r, double gather_ms, int64_t extra_bytes) {
   r.total_ms = worst[2];
   r.gather_ms = worst[3];
   r.extra_bytes = worst[4];
+  r.gemm3_ms = worst[5];
   r.wrong = wsum;
 }
 
-std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Operation& op,
-                          int64_t width) {
+// What each operation times once per size besides itself, and what it says of a row: the
+// logits' all-gather, path and bytes; the lm head's three GEMMs alone (n/a where there are none).
+void time_baseline(const Settings& s, Device& dev, Operation& op, Result& r) {
+  r.gather_ms = time_alone(dev, op.all_gather(), std::max(2, s.warmup), s.iters);
+}
+void time_baseline(const Settings& s, Device& dev, LinearOperation& op, Result& r) {
+  const Step gemm3 = op.gemm3();
+  if (gemm3) r.gemm3_ms = time_alone(dev, gemm3, std::max(2, s.warmup), s.iters);
+}
+void describe_row(const Settings& s, Operation& op, Result& r) {
+  r.path = op.path();
+  r.bytes = bytes_moved(r.tokens, r.width, s.dtype);
+}
+void describe_row(const Settings&, LinearOperation&, Result&) {}
+
+template <class Op>
+std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Op& op, int64_t width) {
   std::vector<Result> results;
   const size_t steps = s.tokens.size() * s.modes.size();
   size_t step = 0;
@@ -164,21 +186,21 @@ std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Operat
       std::fflush(stderr);
     };
     op.resize(n);
-    const double gather_ms = time_alone(dev, op.all_gather(), std::max(2, s.warmup), s.iters);
+    Result base;
+    base.tokens = n;
+    base.width = width;
+    time_baseline(s, dev, op, base);
     std::vector<Result> rows;
     for (const std::string& mode : s.modes) {
       progress(mode, false);
       op.first_call(mode);
-      Result r;
-      r.tokens = n;
-      r.width = width;
+      Result r = base;
       r.mode = mode;
-      r.path = op.path();
-      r.bytes = bytes_moved(n, width, s.dtype);
+      describe_row(s, op, r);
       if (s.check) r.wrong = op.verify();
       progress(mode, true);
       time_steps(s, dev, op, r);
-      slowest_rank(r, gather_ms, op.extra_bytes());
+      slowest_rank(r, r.gather_ms, op.extra_bytes());
       rows.push_back(r);
     }
     for (const Result& r : rows) {
@@ -220,7 +242,8 @@ bool check_memory(const Settings& s, Device& dev, int64_t width, int sharing) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
   const int64_t n = *std::max_element(s.tokens.begin(), s.tokens.end());
-  const double need = bytes_needed(s, static_cast<double>(n), static_cast<double>(width), ranks);
+  const double need = (s.hidden > 0 ? linear_bytes_needed : bytes_needed)(
+      s, static_cast<double>(n), static_cast<double>(width), ranks);
   std::string how;
   const double avail = static_cast<double>(dev.memory_available(&how));
   int refused = need * sharing > avail ? 1 : 0, any = 0;
@@ -231,7 +254,9 @@ bool check_memory(const Settings& s, Device& dev, int64_t width, int sharing) {
   if (rank == speaker) {
     std::string m = "xent_dist_bench: " + s.tokens_from + ", " + s.vocab_from + ": " +
                     std::to_string(n) + " tokens x " + std::to_string(width) + " columns of " +
-                    dtype_name(s.dtype) + " need " + bytes_text(need) + " per rank";
+                    dtype_name(s.dtype) +
+                    (s.hidden > 0 ? ", hidden " + std::to_string(s.hidden) : std::string()) +
+                    " need " + bytes_text(need) + " per rank";
     if (sharing > 1)
       m += ", " + bytes_text(need * sharing) + " for the " + std::to_string(sharing) +
            " ranks on this " + (dev.gpu() ? "GPU" : "node");
@@ -252,8 +277,9 @@ constexpr double kCpuBytesPerSecond = 0.15e9;  // per core
 void warn_if_slow(const Settings& s, int64_t width, int sharing) {
   double bytes = 0.0;
   for (const int64_t n : s.tokens)
-    bytes +=
-        bytes_gone_over(s, n, width, 1 + s.warmup + s.iters) * static_cast<double>(s.modes.size());
+    bytes += (s.hidden > 0 ? linear_bytes_gone_over : bytes_gone_over)(s, n, width,
+                                                                       1 + s.warmup + s.iters) *
+             static_cast<double>(s.modes.size());
   // Ranks beyond the node's cores share them (mpirun --oversubscribe).
   const double cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
   const double sec = bytes / kCpuBytesPerSecond * std::max(1.0, sharing / cores);
@@ -285,8 +311,14 @@ int run(const Settings& s) {
   if (!gpu && rank == 0) warn_if_slow(s, width, sharing);
   const Env env = gather_env(*dev, group);
   if (rank == 0) print_header(s, env, width);
-  Operation op(s, group, *dev);
-  const std::vector<Result> results = sweep(s, env, *dev, op, width);
+  std::vector<Result> results;
+  if (s.hidden > 0) {
+    LinearOperation op(s, group, *dev);
+    results = sweep(s, env, *dev, op, width);
+  } else {
+    Operation op(s, group, *dev);
+    results = sweep(s, env, *dev, op, width);
+  }
 
   int64_t wrong = 0;
   for (const Result& r : results) wrong += r.wrong;

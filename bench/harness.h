@@ -1,6 +1,7 @@
 // xent_dist_bench's harness, as nccl-tests' common code is to its collectives: the environment,
 // the sweep, the timing (back to back, from an idle device, or replayed from CUDA graphs), the
-// slowest-rank reduction, the table and the JSON. What it times is the Operation (op.h).
+// slowest-rank reduction, the table and the JSON. What it times is the Operation (op.h), or with
+// --hidden the LinearOperation (linear_op.h).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,8 @@ struct Result {
   std::string path;  // xent::forward_path: "single-pass" or "two-pass" (", device exchange")
   double bytes = 0;  // bytes_moved (op.h): what GB/s and %roof are of
   double fwd_ms = 0, bwd_ms = 0, total_ms = 0, gather_ms = 0, extra_bytes = 0;
+  // --hidden: the three GEMMs alone (linear_op.h), the slowest rank's; < 0 where not timed (n/a).
+  double gemm3_ms = -1;
   int64_t wrong = 0;
 };
 

@@ -203,18 +203,53 @@ struct Operation::Size {
   xent::Outputs out;
 };
 
+xent::Options plan_options(const Settings& s, xent::Group& group, xent::Shard& shard) {
+  const int64_t base = s.padded / group.size(), extra = s.padded % group.size();
+  shard = xent::plan_shard(group, base + (group.rank() < extra ? 1 : 0), s.vocab);
+  xent::Options opt;
+  xent::apply(shard, opt);
+  opt.label_smoothing = static_cast<float>(s.label_smoothing);
+  opt.z_loss = static_cast<float>(s.z_loss);
+  opt.softcap = static_cast<float>(s.softcap);
+  opt.reduction = to_xent_reduction(s.reduction);
+  return opt;
+}
+
+Problem make_problem(const Settings& s, const xent::Shard& shard, const xent::Options& opt,
+                     int64_t tokens) {
+  Problem p;
+  p.rows = tokens;
+  p.vocab = s.vocab;
+  p.padded = s.padded;
+  p.start = shard.start;
+  p.width = shard.width;
+  p.dtype = s.dtype;
+  p.reduction = s.reduction;
+  p.smoothing = opt.label_smoothing;
+  p.z_loss = opt.z_loss;
+  p.softcap = opt.softcap;
+  p.grad_output = static_cast<float>(s.grad_output);
+  p.seed = s.seed;
+  p.ignore_index = opt.ignore_index;
+  p.ignore_threshold =
+      static_cast<uint32_t>(std::min(4294967295.0, std::floor(s.ignore_fraction * 4294967296.0)));
+  p.step = static_cast<float>(s.logit_range / 256.0);
+  return p;
+}
+
+int64_t extra_after(Device& dev, const xent::Group& group, int64_t extra,
+                    const std::function<void()>& calls) {
+  const int64_t before = dev.memory_in_use();
+  calls();
+  dev.sync();
+  return std::max<int64_t>(extra + dev.memory_in_use() - before,
+                           static_cast<int64_t>(group.workspace_bytes()));
+}
+
 Operation::Operation(const Settings& s, xent::Group& group, Device& dev)
     : s_(s), group_(group), dev_(dev) {
-  int ranks = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  const int64_t base = s.padded / ranks, extra = s.padded % ranks;
-  shard_ = xent::plan_shard(group_, base + (rank_ < extra ? 1 : 0), s.vocab);
-  xent::apply(shard_, opt_);
-  opt_.label_smoothing = static_cast<float>(s.label_smoothing);
-  opt_.z_loss = static_cast<float>(s.z_loss);
-  opt_.softcap = static_cast<float>(s.softcap);
-  opt_.reduction = to_xent_reduction(s.reduction);
+  opt_ = plan_options(s, group_, shard_);
   opt_.single_pass = !s.two_pass;
   opt_.device_exchange = s.device_exchange;
 }
@@ -222,24 +257,7 @@ Operation::Operation(const Settings& s, xent::Group& group, Device& dev)
 Operation::~Operation() = default;
 
 void Operation::resize(int64_t tokens) {
-  Problem p;
-  p.rows = tokens;
-  p.vocab = s_.vocab;
-  p.padded = s_.padded;
-  p.start = shard_.start;
-  p.width = shard_.width;
-  p.dtype = s_.dtype;
-  p.reduction = s_.reduction;
-  // The reference sees exactly the fp32 values the library is given.
-  p.smoothing = opt_.label_smoothing;
-  p.z_loss = opt_.z_loss;
-  p.softcap = opt_.softcap;
-  p.grad_output = static_cast<float>(s_.grad_output);
-  p.seed = s_.seed;
-  p.ignore_index = opt_.ignore_index;
-  p.ignore_threshold =
-      static_cast<uint32_t>(std::min(4294967295.0, std::floor(s_.ignore_fraction * 4294967296.0)));
-  p.step = static_cast<float>(s_.logit_range / 256.0);
+  const Problem p = make_problem(s_, shard_, opt_, tokens);
   size_.reset();
   size_ = std::make_unique<Size>(dev_, p);
 }
@@ -269,14 +287,12 @@ void Operation::first_call(const std::string& mode) {
   dev_.zero(size_->lse.get(), size_->lse.bytes());
   dev_.sync();
 
-  const int64_t before = dev_.memory_in_use();
-  group_.reserve(size_->p.rows, opt_);
-  forward();
-  backward();
-  dev_.sync();
+  extra_bytes_ = extra_after(dev_, group_, extra_bytes_, [&] {
+    group_.reserve(size_->p.rows, opt_);
+    forward();
+    backward();
+  });
   check_errors();
-  extra_bytes_ = std::max<int64_t>(extra_bytes_ + dev_.memory_in_use() - before,
-                                   static_cast<int64_t>(group_.workspace_bytes()));
 }
 
 std::string Operation::path() const {

@@ -37,6 +37,20 @@ double bytes_needed(const Settings& s, double tokens, double width, int ranks);
 // once, each about 3 passes' worth: a hash and an exp per element).
 double bytes_gone_over(const Settings& s, int64_t tokens, int64_t width, int calls);
 
+// Shared with the fused lm head (linear_op.cpp): this rank's shard of the padded vocabulary, split
+// as evenly as it goes in rank order (plan_shard: a collective), and the options the settings give
+// every operation.
+xent::Options plan_options(const Settings& s, xent::Group& group, xent::Shard& shard);
+// One size's problem on this rank (the reference sees exactly the fp32 values the library is
+// given).
+Problem make_problem(const Settings& s, const xent::Shard& shard, const xent::Options& opt,
+                     int64_t tokens);
+// Runs an operation's first calls of a size and returns the memory xent took beyond its inputs
+// and outputs over the sweep so far: `extra` plus what the memory in use grew by, at least the
+// workspace itself (the allocator rounds small allocations up to its pages).
+int64_t extra_after(Device& dev, const xent::Group& group, int64_t extra,
+                    const std::function<void()>& calls);
+
 class Operation {
  public:
   // Plans this rank's shard: a collective.

@@ -261,6 +261,33 @@ const std::vector<Option> kOptions = {
        if (r.s.device_exchange && !r.gpu()) refuse(*v, "the device exchange needs --device cuda");
      },
      [](const Settings& s, json& c) { c["device_exchange"] = s.device_exchange; }},
+    {"hidden", "--hidden", "H",
+     "time and verify the fused lm head (xent::linear_forward / linear_backward) of hidden width "
+     "H in [1, 16384] on this rank's shard of the weight instead of the logits' cross-entropy, "
+     "against the three GEMMs alone (gemm3); fused mode's gradients are for grad_output = "
+     "--grad-scale, deferred's for --grad-output; --logit-range (at most 16) scales the weight; "
+     "not with --graph, --two-pass or --device-exchange; 0: the logits (0)",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.hidden = to_int(*v, 0, 16384);
+       if (r.s.hidden == 0) return;
+       for (const char* key : {"graph", "two_pass", "device_exchange"}) {
+         const Source* f = r.find(key);
+         if (f && to_bool(*f)) refuse(*f, "not supported with --hidden (the fused lm head)");
+       }
+       // The check's tolerances (tests/linear_harness.h) hold for logits of a few units: the
+       // fp32 logits' error grows with their size.
+       const Source* range = r.find("logit_range");
+       if (range && r.s.logit_range > 16)
+         refuse(*range, "must be at most 16 with --hidden (logits of a few units)");
+       const Source* go = r.find("grad_output");
+       if (go && r.s.modes == std::vector<std::string>{"fused"})
+         refuse(*go,
+                "not used with --hidden in fused mode (linear_backward is not called; the "
+                "gradients are for grad_output = --grad-scale): give --grad-scale, or --mode "
+                "deferred");
+     },
+     [](const Settings& s, json& c) { c["hidden"] = s.hidden; }},
     {"json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)", false,
      [](Resolve& r, const Source* v) {
        if (!v) return;
@@ -345,6 +372,7 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       "both\n"
       "  mpirun -np 4 --oversubscribe xent_dist_bench --device cpu --check --tokens 64,256 --vocab "
       "32000\n"
+      "  mpirun -np 2 xent_dist_bench --hidden 4096 --vocab 128256 --tokens 4096,8192 --check\n"
       "Exit status: 0 all good, 1 a #wrong value or a runtime error, 2 a refused flag or config, "
       "or a sweep that does not fit in memory.");
 

@@ -37,7 +37,8 @@ struct Settings {
   bool graph = false;
   bool two_pass = false;         // Options::single_pass = false
   bool device_exchange = false;  // Options::device_exchange
-  bool idle = false;  // each step from an idle GPU after a barrier, median (else back to back)
+  bool idle = false;   // each step from an idle GPU after a barrier, median (else back to back)
+  int64_t hidden = 0;  // > 0: the fused lm head with this hidden width (linear_op.h), else logits
   uint64_t seed = 1;
   std::string json;
   std::string command;  // argv, joined

@@ -32,6 +32,11 @@ double floor_pct(const Result& r, const Env& env) {
   return 100.0 * floor_ms(r, env) / r.total_ms;
 }
 
+// --hidden: the lm head's time over the three GEMMs alone (0 where they were not timed).
+double x_gemm3(const Result& r) {
+  return r.gemm3_ms > 0 ? r.total_ms / r.gemm3_ms : 0.0;
+}
+
 nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results,
                        int64_t wrong) {
   using nlohmann::json;
@@ -54,22 +59,24 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
   echo_config(s, j["config"]);
   json rows = json::array();
   for (const Result& r : results) {
-    json row = {{"tokens", r.tokens},
-                {"vocab_per_rank", r.width},
-                {"mode", r.mode},
-                {"path", r.path},
-                {"dtype", dtype_name(s.dtype)},
-                {"fwd_ms", r.fwd_ms},
-                {"bwd_ms", r.bwd_ms},
-                {"total_ms", r.total_ms},
-                {"allgather_ms", r.gather_ms},
-                {"gbps", gbps(r)},
-                {"roofline_ms", roofline_ms(r, env)},
-                {"roofline_pct", roofline_pct(r, env)},
-                {"floor_ms", floor_ms(r, env)},
-                {"floor_pct", floor_pct(r, env)},
-                {"extra_mib", r.extra_bytes / (1 << 20)}};
+    json row = {{"tokens", r.tokens},     {"vocab_per_rank", r.width},
+                {"mode", r.mode},         {"dtype", dtype_name(s.dtype)},
+                {"fwd_ms", r.fwd_ms},     {"bwd_ms", r.bwd_ms},
+                {"total_ms", r.total_ms}, {"extra_mib", r.extra_bytes / (1 << 20)}};
     row["wrong"] = s.check ? json(r.wrong) : json(nullptr);
+    if (s.hidden > 0) {
+      row["hidden"] = s.hidden;
+      row["gemm3_ms"] = r.gemm3_ms > 0 ? json(r.gemm3_ms) : json(nullptr);
+      row["x_gemm3"] = r.gemm3_ms > 0 ? json(x_gemm3(r)) : json(nullptr);
+    } else {
+      row.update({{"path", r.path},
+                  {"allgather_ms", r.gather_ms},
+                  {"gbps", gbps(r)},
+                  {"roofline_ms", roofline_ms(r, env)},
+                  {"roofline_pct", roofline_pct(r, env)},
+                  {"floor_ms", floor_ms(r, env)},
+                  {"floor_pct", floor_pct(r, env)}});
+    }
     rows.push_back(row);
   }
   j["results"] = rows;
@@ -80,8 +87,9 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
 }  // namespace
 
 void print_header(const Settings& s, const Env& env, int64_t width) {
-  std::printf("# xent_dist_bench %s: vocab-parallel cross-entropy, forward + backward\n",
-              XENT_BENCH_VERSION);
+  std::printf("# xent_dist_bench %s: %s, forward + backward\n", XENT_BENCH_VERSION,
+              s.hidden > 0 ? "the fused lm head (xent::linear_forward / linear_backward)"
+                           : "vocab-parallel cross-entropy");
   std::printf("# command: %s\n", s.command.c_str());
   std::printf("# %d rank(s), one vocabulary shard each; backend %s\n", env.ranks, s.device.c_str());
   std::printf("# model %s%s%s: vocab %" PRId64 " padded to %" PRId64 " (pad-to %" PRId64
@@ -91,9 +99,12 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
   std::printf(
       "# reduction %s, label smoothing %g, z-loss %g, softcap %g, ignore fraction %g, grad_output "
       "%g, "
-      "logits in [-%g, %g), seed %" PRIu64 "\n",
+      "%s%g, %g), seed %" PRIu64 "\n",
       reduction_name(s.reduction), s.label_smoothing, s.z_loss, s.softcap, s.ignore_fraction,
-      s.grad_output, s.logit_range, s.logit_range / 2, s.seed);
+      s.grad_output,
+      s.hidden > 0 ? "hidden in [-1, 1), weight in [-1, 1) x 2^round(log2(R / sqrt(H))) (R, H = "
+                   : "logits in [-",
+      s.logit_range, s.hidden > 0 ? static_cast<double>(s.hidden) : s.logit_range / 2, s.seed);
   std::printf("# timing: %d iteration(s) after %d warm-up, %s%s; check: %s\n", s.iters, s.warmup,
               s.device == "cuda" ? "CUDA events on one stream" : "MPI_Wtime",
               s.graph  ? ", replayed from CUDA graphs"
@@ -106,6 +117,24 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
   for (const std::string& l : env.rank_lines) std::printf("%s\n", l.c_str());
   std::printf("# copy bandwidth %.1f GB/s (%s, slowest rank)\n", env.copy_bw / 1e9,
               env.copy_how.c_str());
+  if (s.hidden > 0) {
+    std::printf("# hidden %" PRId64 ": hidden [tokens, %" PRId64
+                "] and this rank's weight shard [vocab/rank, "
+                "%" PRId64
+                "] in %s; gradients for grad_output = grad_scale %g (fused), %g (deferred)\n",
+                s.hidden, s.hidden, s.hidden, dtype_name(s.dtype), s.grad_scale, s.grad_output);
+    std::printf(
+        "# gemm3: logits = hidden W^T, d_hidden = G W, d_weight = G^T hidden alone (%s); x gemm3: "
+        "total / gemm3\n",
+        s.device == "cuda" ? "cublasGemmEx, fp32 compute" : "cblas_sgemm on fp32 copies");
+    std::printf("#\n");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %9s %7s\n", "", "", "", "", "forward",
+                "backward", "total", "gemm3", "", "extra", "");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %9s %7s\n", "tokens", "vocab/rank",
+                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "MiB", "#wrong");
+    std::fflush(stdout);
+    return;
+  }
   std::printf(
       "# %%roof: the 3-pass roofline (the logits read twice and the gradient written once at that\n"
       "# bandwidth) over the time; %%floor: the 2-pass floor (read once, written once) over the "
@@ -127,6 +156,19 @@ void print_row(const Settings& s, const Env& env, const Result& r) {
     std::snprintf(wrong, sizeof wrong, "%" PRId64, r.wrong);
   else
     std::snprintf(wrong, sizeof wrong, "N/A");
+  if (s.hidden > 0) {
+    char gemm3[32] = "n/a", x[32] = "n/a";
+    if (r.gemm3_ms > 0) {
+      std::snprintf(gemm3, sizeof gemm3, "%.3f", r.gemm3_ms);
+      std::snprintf(x, sizeof x, "%.2f", x_gemm3(r));
+    }
+    std::printf("%10" PRId64 " %11" PRId64 " %7" PRId64
+                " %9s %9.3f %9.3f %9.3f %9s %8s %9.2f %7s\n",
+                r.tokens, r.width, s.hidden, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, gemm3,
+                x, r.extra_bytes / (1 << 20), wrong);
+    std::fflush(stdout);
+    return;
+  }
   std::printf(
       "%10" PRId64 " %11" PRId64 " %9s %9.3f %9.3f %9.3f %11.3f %9.1f %6.1f %6.1f %9.2f %7s %11s\n",
       r.tokens, r.width, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, r.gather_ms, gbps(r),
@@ -141,15 +183,16 @@ int print_summary(const Settings& s, const Env& env, const std::vector<Result>& 
     double sum = 0.0;
     int count = 0;
     for (const Result& r : results) {
-      if (r.mode != mode) continue;
-      sum += roofline_pct(r, env);
+      if (r.mode != mode || (s.hidden > 0 && r.gemm3_ms <= 0)) continue;
+      sum += s.hidden > 0 ? x_gemm3(r) : roofline_pct(r, env);
       ++count;
     }
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.1f (%s)", count ? sum / count : 0.0, mode.c_str());
     means += (means.empty() ? "" : ", ") + std::string(buf);
   }
-  std::printf("# mean %% of the 3-pass roofline: %s\n", means.c_str());
+  std::printf(s.hidden > 0 ? "# mean x gemm3: %s\n" : "# mean %% of the 3-pass roofline: %s\n",
+              means.c_str());
   if (s.check)
     std::printf("# #wrong in all: %" PRId64 " (%s)\n", wrong, wrong ? "FAILED" : "OK");
   else
