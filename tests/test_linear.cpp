@@ -42,7 +42,7 @@ class Linear : public ::testing::Test {
 };
 
 // Chunks of 1 row, of a size that does not divide the rows (16), of all rows and more, and from
-// max_chunk_bytes (0: the default 256 MiB, and a bound that holds 3 rows of 40 columns).
+// max_chunk_bytes (0: the default 1 GiB, and a bound that holds 3 rows of 40 columns).
 std::vector<xent::LinearOptions> chunkings() {
   std::vector<xent::LinearOptions> all;
   for (int64_t rows : {1, 5, 16, 100, 0}) {

@@ -40,7 +40,7 @@ TEST(LinearPlan, OneChunkWhereTheWholeGradientFitsTheAccumulator) {
     EXPECT_EQ(p.chunks, 1);
     EXPECT_EQ(p.rows, 8192);
     // The sub-chunk takes the whole budget, in whole 128-row tiles.
-    const int64_t fit = static_cast<int64_t>((size_t(256) << 20) / (4 * V));
+    const int64_t fit = static_cast<int64_t>((size_t(1) << 30) / (4 * V));
     EXPECT_EQ(p.sub_rows, std::min<int64_t>(8192, fit - fit % 128));
   }
 }
@@ -71,7 +71,7 @@ TEST(LinearPlan, NoAccumulatorNoWholeChunk) {
   const ChunkPlan c =
       plan_chunks(LinearOptions{}, 8192, 1, V, chunk_cost(Backend::cpu, DType::bf16, 0));
   EXPECT_EQ(c.sub_rows, 0);
-  EXPECT_EQ(c.rows, static_cast<int64_t>((size_t(256) << 20) / (8 * V)));
+  EXPECT_EQ(c.rows, static_cast<int64_t>((size_t(1) << 30) / (8 * V)));
 }
 
 TEST(LinearPlan, ChunkRowsAndSequenceParallelism) {

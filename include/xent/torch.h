@@ -94,7 +94,7 @@ struct LinearCrossEntropyOptions {
   // holds the same hidden and target, and d_hidden is summed over the ranks.
   bool sequence_parallel = false;
   int64_t chunk_rows = 0;                        // rows of hidden per chunk; 0: max_chunk_bytes
-  int64_t max_chunk_bytes = int64_t(256) << 20;  // a chunk's fp32 logits and their gradient
+  int64_t max_chunk_bytes = int64_t(1) << 30;  // a chunk's fp32 logits and their gradient
 };
 
 // hidden: [..., H] float32/bfloat16/float16 on the CPU; weight: [V_local, H], hidden's dtype

@@ -172,7 +172,7 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
 def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_parallel=False,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
                          reduction="mean", vocab_start=-1, vocab_size=-1, grad_mode="fused",
-                         grad_scale=1.0, chunk_rows=0, max_chunk_bytes=256 << 20):
+                         grad_scale=1.0, chunk_rows=0, max_chunk_bytes=1 << 30):
     """The fused lm head: the loss of hidden @ weight.T against global targets, without the
     logits [rows, V] ever existing in full (they are made chunk_rows at a time, or as many rows
     as max_chunk_bytes holds; docs/linear.md). CPU and CUDA tensors.

@@ -143,7 +143,7 @@ CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const
 struct LinearArgs {
   bool sequence_parallel = false;
   int64_t chunk_rows = 0;  // 0: rows from max_chunk_bytes
-  int64_t max_chunk_bytes = int64_t(256) << 20;
+  int64_t max_chunk_bytes = int64_t(1) << 30;
 
   static LinearArgs of(const LinearCrossEntropyOptions& o);
   // The core's options; max_chunk_bytes checked (> 0) first, the rest is the core's.

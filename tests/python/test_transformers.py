@@ -49,6 +49,11 @@ import pathlib
 import sys
 import traceback
 
+if __name__ == "__main__" and sys.argv[1:2] == ["gloo"]:
+    # A Gloo rank runs on the CPU: Transformers' tp_plan would otherwise take cuda:<LOCAL_RANK>
+    # where a GPU is visible (rank 1 found no cuda:1 on a one-GPU machine). Before torch's import.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 
