@@ -29,9 +29,24 @@ int64_t rows_in(size_t bytes, size_t row_bytes, int64_t most) {
   return r;
 }
 
-[[noreturn]] void no_row(const LinearOptions& lopt, size_t needed, const std::string& what) {
+// Where max_chunk_bytes holds no row: the bytes one row takes, the chunk's (`chunk`: 16-bit
+// gradient or fp32 logits, times the ranks with sequence parallelism) and a sub-chunk's. Built
+// only on failure: the plan runs on every call.
+[[noreturn]] void no_row(const LinearOptions& lopt, ChunkCost cost, int64_t widest, int64_t ranks,
+                         bool chunk) {
+  const std::string w = std::to_string(widest);
+  const size_t per_row =
+      static_cast<size_t>(widest) *
+      ((chunk ? cost.per_logit * static_cast<size_t>(ranks) : 0) + cost.sub_logit);
+  std::string what;
+  if (chunk)
+    what = std::to_string(cost.per_logit) + " x " + w + " columns of the widest shard" +
+           (ranks > 1 ? " x " + std::to_string(ranks) + " ranks" : std::string());
+  if (cost.sub_logit > 0)
+    what += (chunk ? " + " : "") + std::to_string(cost.sub_logit) + " x " + w +
+            " for the fp32 logits of a sub-chunk";
   fail("LinearOptions::max_chunk_bytes = " + std::to_string(lopt.max_chunk_bytes) +
-       ": must hold at least one row of logits and their gradient (" + std::to_string(needed) +
+       ": must hold at least one row of logits and their gradient (" + std::to_string(per_row) +
        " bytes on this backend: " + what + "), or set chunk_rows");
 }
 
@@ -49,12 +64,6 @@ ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_
   const size_t sub_row_bytes = cost.sub_logit * w;
   const size_t budget = lopt.max_chunk_bytes;
   const int64_t most = std::max<int64_t>(rows, 1);
-  const std::string per_logit =
-      std::to_string(cost.per_logit) + " x " + std::to_string(widest) +
-      " columns of the widest shard" +
-      (plan.ranks > 1 ? " x " + std::to_string(plan.ranks) + " ranks" : std::string());
-  const std::string sub = std::to_string(cost.sub_logit) + " x " + std::to_string(widest) +
-                          " for the fp32 logits of a sub-chunk";
   if (lopt.chunk_rows > 0) {
     plan.rows = std::min(lopt.chunk_rows, most);
     if (cost.sub_logit > 0)
@@ -64,7 +73,7 @@ ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_
              row_bytes * static_cast<size_t>(most) <= cost.accumulator) {
     plan.rows = most;
     plan.sub_rows = rows_in(budget, sub_row_bytes, plan.logits_rows());
-    if (plan.sub_rows < 1) no_row(lopt, sub_row_bytes, sub);
+    if (plan.sub_rows < 1) no_row(lopt, cost, widest, plan.ranks, /*chunk=*/false);
   } else {
     if (cost.sub_logit > 0)
       plan.sub_rows = rows_in(budget, sub_row_bytes + cost.per_logit * w,
@@ -72,8 +81,7 @@ ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_
     const size_t fixed = static_cast<size_t>(plan.sub_rows) * sub_row_bytes;
     plan.rows = budget > fixed ? static_cast<int64_t>((budget - fixed) / row_bytes) : 0;
     if (plan.rows < 1 || (cost.sub_logit > 0 && plan.sub_rows < 1))
-      no_row(lopt, row_bytes + sub_row_bytes,
-             per_logit + (cost.sub_logit > 0 ? " + " + sub : std::string()));
+      no_row(lopt, cost, widest, plan.ranks, /*chunk=*/true);
     plan.rows = std::min(plan.rows, most);
     // Whole sub-chunks where there are several chunks: a short one rereads the whole weight for
     // a few rows.
