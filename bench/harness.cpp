@@ -131,11 +131,11 @@ void time_steps(const Settings& s, Device& dev, Op& op, Result& r) {
 }
 
 // The slowest rank's times and memory, as nccl-tests reports them; the wrong values of all ranks.
-void slowest_rank(Result& r, double gather_ms, int64_t extra_bytes) {
+void slowest_rank(Result& r, int64_t extra_bytes) {
   double mine[6] = {r.fwd_ms,
                     r.bwd_ms,
                     r.total_ms,
-                    gather_ms,
+                    r.gather_ms,
                     static_cast<double>(std::max<int64_t>(0, extra_bytes)),
                     r.gemm3_ms};
   double worst[6];
@@ -200,7 +200,7 @@ std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Op& op
       if (s.check) r.wrong = op.verify();
       progress(mode, true);
       time_steps(s, dev, op, r);
-      slowest_rank(r, r.gather_ms, op.extra_bytes());
+      slowest_rank(r, op.extra_bytes());
       rows.push_back(r);
     }
     for (const Result& r : rows) {

@@ -47,10 +47,6 @@ double linear_bytes_gone_over(const Settings& s, int64_t tokens, int64_t width, 
 
 namespace {
 
-xent::DType to_xent_dtype(int d) {
-  return d == kF32 ? xent::DType::f32 : d == kBF16 ? xent::DType::bf16 : xent::DType::f16;
-}
-
 void cublas_ok(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string(what) + ": cuBLAS status " + std::to_string(st));
@@ -244,12 +240,6 @@ Tolerance tolerance(int dtype, bool gpu) {
 // The loss and lse: within 1e-5 relative and 1e-6 absolute.
 bool loss_ok(double got, double want) {
   return std::fabs(got - want) <= 1e-5 * std::fabs(want) + 1e-6;  // false for NaN
-}
-
-uint64_t hash_bytes(uint64_t h, const void* data, size_t bytes) {  // FNV-1a
-  for (size_t i = 0; i < bytes; ++i)
-    h = (h ^ static_cast<const unsigned char*>(data)[i]) * 0x100000001b3ull;
-  return h;
 }
 
 }  // namespace
@@ -466,10 +456,10 @@ int64_t LinearOperation::verify() {
   compare("d_weight (global row, column)", dw, ref.dw, ref.dw_mag, ref.dw_abs, p.start);
 
   // The loss, lse and d_hidden are the same bits on every rank.
-  uint64_t h = hash_bytes(0xcbf29ce484222325ull, loss.data(), loss.size() * sizeof(float));
+  uint64_t h = fnv1a(0xcbf29ce484222325ull, loss.data(), loss.size() * sizeof(float));
   for (int64_t i = 0; i < T; ++i)
-    if (!ref.rows[i].ignored) h = hash_bytes(h, &lse[i], sizeof(float));
-  h = hash_bytes(h, dh.data(), dh.size());
+    if (!ref.rows[i].ignored) h = fnv1a(h, &lse[i], sizeof(float));
+  h = fnv1a(h, dh.data(), dh.size());
   uint64_t lo = 0, hi = 0;
   MPI_Allreduce(&h, &lo, 1, MPI_UINT64_T, MPI_MIN, MPI_COMM_WORLD);
   MPI_Allreduce(&h, &hi, 1, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);

@@ -45,21 +45,22 @@ double bytes_gone_over(const Settings& s, int64_t tokens, int64_t width, int cal
   return shard * (1.0 + check_passes) + calls * bytes_moved(tokens, width, s.dtype);
 }
 
-namespace {
-
 xent::DType to_xent_dtype(int d) {
   return d == kF32 ? xent::DType::f32 : d == kBF16 ? xent::DType::bf16 : xent::DType::f16;
-}
-xent::Reduction to_xent_reduction(int r) {
-  return r == kNone  ? xent::Reduction::none
-         : r == kSum ? xent::Reduction::sum
-                     : xent::Reduction::mean;
 }
 
 uint64_t fnv1a(uint64_t h, const void* data, size_t bytes) {
   const unsigned char* p = static_cast<const unsigned char*>(data);
   for (size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
   return h;
+}
+
+namespace {
+
+xent::Reduction to_xent_reduction(int r) {
+  return r == kNone  ? xent::Reduction::none
+         : r == kSum ? xent::Reduction::sum
+                     : xent::Reduction::mean;
 }
 
 std::string describe(const Mismatch& m) {

@@ -37,6 +37,11 @@ double bytes_needed(const Settings& s, double tokens, double width, int ranks);
 // once, each about 3 passes' worth: a hash and an exp per element).
 double bytes_gone_over(const Settings& s, int64_t tokens, int64_t width, int calls);
 
+// The library's dtype of a DTypeCode.
+xent::DType to_xent_dtype(int dtype);
+// FNV-1a over bytes, from `h` (0xcbf29ce484222325 to start): the ranks compare their outputs' bits.
+uint64_t fnv1a(uint64_t h, const void* data, size_t bytes);
+
 // Shared with the fused lm head (linear_op.cpp): this rank's shard of the padded vocabulary, split
 // as evenly as it goes in rank order (plan_shard: a collective), and the options the settings give
 // every operation.
