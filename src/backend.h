@@ -122,7 +122,8 @@ void count_valid(const core::Problem& p, TargetsView targets, float* scalars, cu
 // block's registers hold and that the two-pass path would give a block).
 bool single_pass_fits(const core::Problem& p, DType dtype);
 // stats, the gradient (scale from scalars, after count_valid) and the records in one pass over
-// each row; finalize(records, 1 rank) follows. out may be in (in place).
+// each row; finalize(records, 1 rank) follows. out may be in (in place); its dtype is in's, or
+// 16 bits for f32 logits (the fused lm head's sub-chunks).
 void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
                  float* record, int64_t* error, const float* scalars, cudaStream_t stream);
 // Several ranks (Options::device_exchange): the single pass with each row's record exchanged

@@ -30,9 +30,15 @@ bool single_pass_fits(const core::Problem& p, DType dtype) {
 }
 
 namespace single_pass_detail {
-void check_single_pass(const core::Problem& p, LogitsView in, LogitsView out) {
+void check_single_pass(const core::Problem& p, LogitsView in, LogitsView out, bool mixed) {
   check_shape(p, in);
   if (out.data != in.data) check_shape(p, out, "grad");
+  const bool pair =
+      out.dtype == in.dtype || (mixed && in.dtype == DType::f32 && dtype_size(out.dtype) == 2);
+  if (!pair)
+    fail(std::string("single pass: grad.dtype = ") + to_string(out.dtype) +
+         " with logits.dtype = " + to_string(in.dtype) + ": the gradient takes the logits' dtype" +
+         (mixed ? ", or 16 bits from f32 logits" : ""));
   // api.cpp asked single_pass_fits; a row past the largest shape would be left half written.
   if (row_packs(p, in.dtype) > kLargestRowPacks)
     fail("the single-pass kernel cannot hold rows of " + std::to_string(p.real_cols) +
@@ -43,7 +49,7 @@ void check_single_pass(const core::Problem& p, LogitsView in, LogitsView out) {
 void single_pass(const core::Problem& p, LogitsView in, LogitsView out, TargetsView targets,
                  float* record, int64_t* error, const float* scalars, cudaStream_t stream) {
   if (p.rows == 0) return;
-  check_single_pass(p, in, out);
+  check_single_pass(p, in, out, /*mixed=*/true);
   launch_single_pass<false>(p, in, out, targets, SinglePassPointers{record, error, scalars},
                             PeerExchange{}, 1.0f, stream);
 }

@@ -117,18 +117,28 @@ __device__ __forceinline__ void set_in_cluster(V& v, const V value) {
     v = value;
 }
 
+// kN gradient elements of type O as one store: 16 bytes where the gradient has the logits' dtype,
+// 8 where fp32 logits (4 to a pack) give a 16-bit gradient (the fused lm head's sub-chunks).
+template <typename O, int kN>
+union alignas(kN * sizeof(O)) OutPack {
+  std::conditional_t<kN * sizeof(O) == 16, uint4, uint2> v;
+  O e[kN];
+};
+
 struct SinglePassPointers {
   float* record;  // one rank: its records; device exchange: every rank's (finalize's `gathered`)
   int64_t* error;
   const float* scalars;  // the reduction's scale, from count_valid
 };
 
-template <typename E, typename S, Variant kVariant, bool kCap, bool kExchange>
+// E: the logits' dtype; EO: the gradient's (E, or 16 bits from fp32 logits).
+template <typename E, typename EO, typename S, Variant kVariant, bool kCap, bool kExchange>
 __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     single_pass_kernel(const core::Problem p, const LogitsView in, const LogitsView out,
                        const TargetsView targets, const SinglePassPointers ptr,
                        const PeerExchange xc) {
   using T = typename E::type;
+  using O = typename EO::type;
   using Agent = StatsAgent<E, S::kThreads, kVariant>;
   constexpr int kN = Pack<T>::kN;
   __shared__ typename Agent::Storage smem;
@@ -250,17 +260,18 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     sync_cluster<S::kBlocks>();  // and no block leaves while another reads its part
 
     // This block's part of the gradient, from the registers (0 for a row without one).
-    T* dx = static_cast<T*>(out.data) + row * out.row_stride;
-    const bool same_alignment =
-        ((reinterpret_cast<uintptr_t>(x) ^ reinterpret_cast<uintptr_t>(dx)) & 15u) == 0;
+    O* dx = static_cast<O*>(out.data) + row * out.row_stride;
+    using Out = OutPack<O, kN>;
+    // Whether a pack's gradient is one aligned store (in place, always).
+    const bool vector_out = reinterpret_cast<uintptr_t>(dx + s.head) % sizeof(Out) == 0;
     const auto write_pack = [&](const auto& f, const Pack<T>& in_pack, int i) {
       const int col0 = s.head + i * kN;
-      Pack<T> g;
+      Out g;
 #pragma unroll
       for (int e = 0; e < kN; ++e) g.e[e] = f(in_pack.e[e], col0 + e);
-      if (same_alignment) {
-        reinterpret_cast<uint4*>(dx + s.head)[i] = g.v;
-      } else {  // a separate gradient buffer whose rows sit differently modulo 16 bytes
+      if (vector_out) {
+        reinterpret_cast<decltype(g.v)*>(dx + s.head)[i] = g.v;
+      } else {  // a separate gradient buffer whose rows sit differently modulo the store
 #pragma unroll
         for (int e = 0; e < kN; ++e) dx[col0 + e] = g.e[e];
       }
@@ -284,11 +295,11 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
       }
     };
     if (has_gradient(p, row_target))
-      write(GradAgent<E, kCap>(p, row_target, row_lse, ptr.scalars[Workspace::kScale]));
+      write(GradAgent<E, kCap, EO>(p, row_target, row_lse, ptr.scalars[Workspace::kScale]));
     else
-      write([](T, int) { return T{}; });
+      write([](T, int) { return O{}; });
     if (rank == S::kBlocks - 1)  // the padding (kMostPadding columns at most, single_pass_fits)
-      for (int c = n + t; c < static_cast<int>(p.cols); c += S::kThreads) dx[c] = T{};
+      for (int c = n + t; c < static_cast<int>(p.cols); c += S::kThreads) dx[c] = O{};
   };
   if constexpr (kExchange) {
     // What the exchange costs, one H200, one rank, 8192 x 64128 bf16: 0.636 ms against the
@@ -357,8 +368,24 @@ void dispatch_shape(int64_t packs, F&& f) {
     dispatch_shape<I + 1>(packs, std::forward<F>(f));
 }
 
-// Refuses what the kernel cannot take (api.cpp asked single_pass_fits before).
-void check_single_pass(const core::Problem& p, LogitsView in, LogitsView out);
+// Refuses what the kernel cannot take (api.cpp asked single_pass_fits before), and a gradient
+// whose dtype is not the logits' (with `mixed`, fp32 logits may have a 16-bit gradient).
+void check_single_pass(const core::Problem& p, LogitsView in, LogitsView out, bool mixed);
+
+// f(E, EO) for the logits' and the gradient's dtypes, among the pairs check_single_pass takes.
+template <bool kMixed, typename F>
+void dispatch_dtypes(DType in, DType out, F&& f) {
+  core::dispatch_dtype(in, [&](auto e) {
+    using E = decltype(e);
+    if (out == in) {
+      f(e, e);
+    } else if constexpr (kMixed && std::is_same_v<typename E::type, float>) {
+      core::dispatch_dtype(out, [&](auto eo) {
+        if constexpr (!std::is_same_v<typename decltype(eo)::type, float>) f(e, eo);
+      });
+    }
+  });
+}
 
 // Launches the single-pass kernel on p's rows: a cluster a row, or (kExchange) as many clusters
 // as are resident at once, device_share of them, each taking rows by ticket (more would start
@@ -369,15 +396,16 @@ void launch_single_pass(const core::Problem& p, LogitsView in, LogitsView out, T
                         cudaStream_t stream) {
   const int64_t packs = row_packs(p, in.dtype);
   const Variant v = variant_of(p);
-  core::dispatch_dtype(in.dtype, [&](auto e) {
+  dispatch_dtypes<!kExchange>(in.dtype, out.dtype, [&](auto e, auto eo) {
     using E = decltype(e);
+    using EO = decltype(eo);
     dispatch_shape(packs, [&](auto shape) {
       using S = decltype(shape);
       if (p.rows > INT_MAX / S::kBlocks)
         fail("logits.rows = " + std::to_string(p.rows) + " is too many rows for one launch");
       dispatch_bool(p.softcap > 0.0f, [&](auto cap) {
         const auto go = [&](auto variant) {
-          const auto kernel = single_pass_kernel<E, S, variant(), cap(), kExchange>;
+          const auto kernel = single_pass_kernel<E, EO, S, variant(), cap(), kExchange>;
           // Per kernel (one per instantiation of this lambda) and device.
           if constexpr (S::kSmemBytes > 48 * 1024) {
             // Past 48 KB a kernel asks for its shared memory, on each device.

@@ -12,7 +12,7 @@ void single_pass_exchange(const core::Problem& p, LogitsView in, LogitsView out,
                           float* gathered, int64_t* error, const float* scalars,
                           cudaStream_t stream) {
   if (p.rows == 0) return;
-  check_single_pass(p, in, out);
+  check_single_pass(p, in, out, /*mixed=*/false);
   const PeerExchange xc = make_peer_exchange(peers, rank, ranks, p.rows);
   launch_single_pass<true>(p, in, out, targets, SinglePassPointers{gathered, error, scalars}, xc,
                            peers.device_share, stream);

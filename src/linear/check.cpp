@@ -111,6 +111,7 @@ Call check_call(Pass pass, MatrixView hidden, MatrixView weight, TargetsView tar
   c.sequence_parallel = lopt.sequence_parallel;
   c.accumulate_d_weight = lopt.accumulate_d_weight;
   c.gradients = pass == Pass::backward || opt.grad_mode == GradMode::fused;
+  c.single_pass = opt.single_pass;
   check_outputs(pass, c, opt, lopt, lse);
   return c;
 }

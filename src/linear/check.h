@@ -21,7 +21,8 @@ struct Call {
   LinearOutputs out;
   bool sequence_parallel = false;
   bool accumulate_d_weight = false;
-  bool gradients = false;  // this pass computes d_hidden and d_weight (those that are set)
+  bool gradients = false;    // this pass computes d_hidden and d_weight (those that are set)
+  bool single_pass = false;  // Options::single_pass: one rank's forward reads each logit once
 };
 
 // Throws xent::Error naming the argument, its value and the rule. `lse`: backward's input.

@@ -144,15 +144,20 @@ class Chunks {
         const LogitsView lv{logits_, DType::f32, k, V_, V_};
         const TargetsView tv{static_cast<const char*>(targets_.data) + (at + s0) * tsize(),
                              targets_.type, k};
-        const float* lse_s = pass_ == Pass::forward
-                                 ? finalize(pc, lv, tv, r0 + s0, at + s0, s0, m, row_loss, argmax)
-                                 : lse_c + s0;
-        if (!call_.gradients) continue;
-        const float* go_s = go != nullptr && call_.p.reduction == Reduction::none ? go + s0 : go;
         char* g_rows =
             static_cast<char*>(grad_) + s0 * V_ * static_cast<int64_t>(dtype_size(gdtype_));
-        cuda::gradient(pc, lv, LogitsView{g_rows, gdtype_, k, V_, V_}, tv, lse_s, gscalars_, go_s,
-                       stream_);
+        const LogitsView gv{g_rows, gdtype_, k, V_, V_};
+        // One rank's forward: statistics and gradient in one pass over the logits where the rows
+        // fit on chip (as the logits path's single pass), finalize after it.
+        const bool single = pass_ == Pass::forward && call_.gradients && ranks_ == 1 &&
+                            call_.single_pass && cuda::single_pass_fits(pc, DType::f32);
+        const float* lse_s = pass_ == Pass::forward
+                                 ? finalize(pc, lv, tv, r0 + s0, at + s0, s0, m, row_loss, argmax,
+                                            single ? &gv : nullptr)
+                                 : lse_c + s0;
+        if (!call_.gradients || single) continue;
+        const float* go_s = go != nullptr && call_.p.reduction == Reduction::none ? go + s0 : go;
+        cuda::gradient(pc, lv, gv, tv, lse_s, gscalars_, go_s, stream_);
       }
       if (pass_ == Pass::forward && sp()) own_rows(r0, c, at, row_loss, argmax);
       if (!call_.gradients) continue;
@@ -227,10 +232,15 @@ class Chunks {
   // into row_loss, or the output), the first of them at `row` of this rank's rows (without
   // sequence parallelism), `at` of all rows and `s0` of the chunk's m (chunk order). Returns the
   // sub-chunk's lse. With sequence parallelism the per-row outputs stay in chunk-order scratch
-  // until own_rows copies this rank's out.
+  // until own_rows copies this rank's out. `single` (one rank): the single pass's records, its
+  // gradient into *single, in place of the statistics.
   const float* finalize(const core::Problem& pc, LogitsView lv, TargetsView tv, int64_t row,
-                        int64_t at, int64_t s0, int64_t m, float* row_loss, int64_t* argmax) {
-    cuda::stats(pc, lv, tv, ws_.send, ws_.error, stream_);
+                        int64_t at, int64_t s0, int64_t m, float* row_loss, int64_t* argmax,
+                        const LogitsView* single) {
+    if (single != nullptr)
+      cuda::single_pass(pc, lv, *single, tv, ws_.send, ws_.error, gscalars_, stream_);
+    else
+      cuda::stats(pc, lv, tv, ws_.send, ws_.error, stream_);
     if (ranks_ > 1)
       comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * pc.rows, stream_);
     const LinearOutputs& out = call_.out;
