@@ -70,6 +70,25 @@ def test_rows_past_one_sub_chunk(grad_mode, chunk_rows):
     assert excess(dw, want[2], want[4], torch.bfloat16) <= 0.5, "d_weight"
 
 
+@pytest.mark.parametrize("vocab", [5000, 40000])
+@pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_wide_rows(dtype, grad_mode, vocab):
+    """Rows wide enough for the one-rank single pass over each sub-chunk's fp32 logits (more than
+    2048 columns: a block's registers at 5000, a cluster of blocks at 40000 on sm_90), under the
+    default arguments and grad_output 1 (forward's gradients final), with padding columns past
+    vocab_size; deferred takes two passes."""
+    hidden, weight, target = inputs(DTYPES[dtype], seed=8, vocab=vocab)
+    target.view(-1)[target.view(-1) >= vocab - 9] = 0
+    want = reference(hidden, weight[: vocab - 9], target, torch.tensor(1.0), "mean")
+    loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), None,
+                             vocab_size=vocab - 9, grad_mode=grad_mode)
+    torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
+    assert excess(dh, want[1], want[3], DTYPES[dtype]) <= 0.5, "d_hidden"
+    assert excess(dw[: vocab - 9], want[2], want[4], DTYPES[dtype]) <= 0.5, "d_weight"
+    assert (dw[vocab - 9:] == 0).all(), "padding rows of d_weight"
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fused_grad_output_equal_to_one_keeps_forward(dtype):
     """grad_output 1 (the default grad_scale): forward's gradients are final, and exact."""
