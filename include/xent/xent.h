@@ -88,7 +88,8 @@ struct Options {
   // Capped rows (softcap) of 2-byte logits wider than 16384 columns take two passes where the
   // memory is fast for the SMs (more than 16 bytes per SM clock at peak: H200, not H100), where
   // two passes measured faster. false takes the two-pass path (statistics, then gradient), as
-  // every other case does. forward_path() says which one a call takes.
+  // every other case does. forward_path() says which one a call takes. The fused lm head
+  // (linear.h) takes it too on one rank, over each sub-chunk of its fp32 logits.
   bool single_pass = true;
   // grad_mode fused: forward writes the gradient for grad_output = grad_scale (e.g. 1 / the
   // gradient-accumulation steps, or a loss scale) rather than 1, and backward revisits only rows
