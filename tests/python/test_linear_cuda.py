@@ -70,14 +70,14 @@ def test_rows_past_one_sub_chunk(grad_mode, chunk_rows):
     assert excess(dw, want[2], want[4], torch.bfloat16) <= 0.5, "d_weight"
 
 
-@pytest.mark.parametrize("vocab", [5000, 40000])
+@pytest.mark.parametrize("vocab", [5001, 40000])
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_wide_rows(dtype, grad_mode, vocab):
     """Rows wide enough for the one-rank single pass over each sub-chunk's fp32 logits (more than
-    2048 columns: a block's registers at 5000, a cluster of blocks at 40000 on sm_90), under the
-    default arguments and grad_output 1 (forward's gradients final), with padding columns past
-    vocab_size; deferred takes two passes."""
+    2048 columns: a block's registers at 5001, rows in every alignment, a cluster of blocks at
+    40000 on sm_90), under the default arguments and grad_output 1 (forward's gradients final),
+    with padding columns past vocab_size; deferred takes two passes."""
     hidden, weight, target = inputs(DTYPES[dtype], seed=8, vocab=vocab)
     target.view(-1)[target.view(-1) >= vocab - 9] = 0
     want = reference(hidden, weight[: vocab - 9], target, torch.tensor(1.0), "mean")
