@@ -144,8 +144,8 @@ TEST_F(Linear, ChunksOfSeveralSubChunks) {
 // the gradient stored element by element where a pack's cannot be one store), its shared memory
 // (20000) and a cluster of 2 blocks (40000, sm_90), with padding columns; chunks of 150 rows, the
 // first of two sub-chunks (bf16: 128 and 22), with the general statistics (smoothing, z-loss,
-// accuracy) and the plain ones, against the two passes and the CPU backend, all checked by the
-// reference.
+// accuracy), a grad_scale and the plain ones, against the two passes and the CPU backend, all
+// checked by the reference.
 TEST_F(Linear, WideRowsSinglePass) {
   const xent::Group g = local();
   for (int64_t width : {4101, 20000, 40000}) {
@@ -168,6 +168,7 @@ TEST_F(Linear, WideRowsSinglePass) {
           c.opt.z_loss = 0.01f;
           c.opt.compute_accuracy = true;
         }
+        if (width == 4101) c.opt.grad_scale = 0.25f;  // the scale the single pass folds in
         run_linear(g, c);
       }
     }
