@@ -124,6 +124,8 @@ union alignas(kN * sizeof(O)) OutPack {
   std::conditional_t<kN * sizeof(O) == 16, uint4, uint2> v;
   O e[kN];
 };
+static_assert(sizeof(OutPack<__nv_bfloat16, 4>) == 8 && sizeof(OutPack<float, 4>) == 16,
+              "a pack's gradient is one store");
 
 struct SinglePassPointers {
   float* record;  // one rank: its records; device exchange: every rank's (finalize's `gathered`)

@@ -2,7 +2,8 @@
 // rank with sequence parallelism), logits = hidden @ weight^T in fp32 (a cuBLASLt GEMM, fp32
 // accumulation), then the logits path's own steps on them (cuda::stats, the all-gather of the
 // records, cuda::finalize of the rows), then the gradient over the logits (cuda::gradient, in the
-// inputs' dtype: the GEMMs that consume it run on the tensor cores as the unfused path's do) and
+// inputs' dtype: the GEMMs that consume it run on the tensor cores as the unfused path's do; one
+// rank's forward: cuda::single_pass, statistics and gradient in one read, then finalize) and
 // the two GEMMs: d_hidden's partial (summed over the ranks) and d_weight's (accumulated in fp32
 // over the chunks). The reduced loss comes from every row's loss once the chunks are done
 // (cuda::reduce_rows), the gradient's scale from every row's target before the first.
