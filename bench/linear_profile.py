@@ -1,7 +1,10 @@
 """Where the fused lm head's step spends its time: xent.linear_cross_entropy forward + backward
 under torch.profiler, the device time of each kernel family (cuBLASLt GEMMs by shape, xent's
 kernels, copies and memsets) summed over --iters steps and shown per step, beside the step's
-wall time. What the issue's "limit explained with profiler figures" asks for.
+wall time. What the issue's "limit explained with profiler figures" asks for. On CUDA also the
+device's busy time (the union of the spans: where programmatic launch makes a kernel's span
+start inside its predecessor's, the overlap counts once), its idle time between the first and
+the last kernel, and the longest idle gaps with the kernels around them.
 
     XENT_TORCH_LIB=build/src/torch/libxent_torch.so PYTHONPATH=python \\
         python3 bench/linear_profile.py --vocab 128256 [--max-chunk-mib 256] [--grad-mode fused]
@@ -32,6 +35,25 @@ def family(name):
     if "memcpy" in low or "memset" in low:
         return "memcpy/memset"
     return name.split("(")[0].split("<")[0].strip()[:60]
+
+
+def busy_and_gaps(spans):
+    """spans: (start_ns, end_ns, name) of device events. The nanoseconds covered by their union,
+    and the gaps between its intervals, longest first: (gap_ns, the name that ends before it,
+    the name that starts after it)."""
+    busy, gaps = 0, []
+    lo = hi = last = None
+    for start, end, name in sorted(spans):
+        if hi is None or start > hi:
+            if hi is not None:
+                busy += hi - lo
+                gaps.append((start - hi, last, name))
+            lo, hi, last = start, end, name
+        elif end > hi:
+            hi, last = end, name
+    if hi is not None:
+        busy += hi - lo
+    return busy, sorted(gaps, key=lambda g: -g[0])
 
 
 def main():
@@ -87,6 +109,21 @@ def main():
         print(f"| {name} | {ms:.3f} | {n} |")
     gemm = sum(ms for name, (ms, _) in per.items() if name.startswith("GEMM "))
     print(f"| all GEMMs | {gemm:.3f} | |\n| all kernels | {sum(v[0] for v in per.values()):.3f} | |")
+    if not cuda:
+        return
+    spans = [(e.start_ns(), e.end_ns(), family(e.name()))
+             for e in prof.profiler.kineto_results.events()
+             if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    if not spans:
+        return
+    busy, gaps = busy_and_gaps(spans)
+    window = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
+    print(f"\n# device busy {busy / 1e6 / a.iters:.3f} ms a step, idle "
+          f"{(window - busy) / 1e6 / a.iters:.3f} ms a step between the first kernel and the last "
+          f"(steps end in a host synchronisation: their gaps between steps count)")
+    print("| idle gap | ms | after | before |\n|---|---|---|---|")
+    for i, (gap, before, after) in enumerate(gaps[:8]):
+        print(f"| {i + 1} | {gap / 1e6:.3f} | {before} | {after} |")
 
 
 if __name__ == "__main__":
