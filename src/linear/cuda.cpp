@@ -123,6 +123,11 @@ class Chunks {
     if (pass_ == Pass::forward && accuracy && (sp() || call_.out.argmax == nullptr))
       argmax = s_->argmax.get<int64_t>(all_rows_, stream_);
     if (dw) start_d_weight();
+    // One rank's forward: statistics and gradient in one pass over each sub-chunk's logits where
+    // the rows fit on chip (as the logits path's single pass), finalize after it. The fit depends
+    // on the columns alone, the same for every sub-chunk.
+    const bool single = pass_ == Pass::forward && call_.gradients && ranks_ == 1 &&
+                        call_.single_pass && cuda::single_pass_fits(call_.p, DType::f32);
     const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
     for (int64_t i = 0; i < plan_.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
@@ -148,10 +153,6 @@ class Chunks {
         char* g_rows =
             static_cast<char*>(grad_) + s0 * V_ * static_cast<int64_t>(dtype_size(gdtype_));
         const LogitsView gv{g_rows, gdtype_, k, V_, V_};
-        // One rank's forward: statistics and gradient in one pass over the logits where the rows
-        // fit on chip (as the logits path's single pass), finalize after it.
-        const bool single = pass_ == Pass::forward && call_.gradients && ranks_ == 1 &&
-                            call_.single_pass && cuda::single_pass_fits(pc, DType::f32);
         const float* lse_s = pass_ == Pass::forward
                                  ? finalize(pc, lv, tv, r0 + s0, at + s0, s0, m, row_loss, argmax,
                                             single ? &gv : nullptr)
