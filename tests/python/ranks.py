@@ -13,7 +13,7 @@ import time
 def launch(worker_file, backend, tmp, world=2, deadline_s=240):
     """Runs `world` ranks to completion or the deadline; returns (per-rank results, reports)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if backend == "nccl":  # no NVLink multicast (NVLS) on the shared machines
+    if backend.startswith("nccl"):  # "nccl", "nccl-2": no NVLink multicast (NVLS) here
         env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
                    NVSHMEM_DISABLE_NVLS="1")
     init = f"file://{tmp / 'store'}"
