@@ -36,6 +36,16 @@ double floor_pct(const Result& r, const Env& env) {
 double x_gemm3(const Result& r) {
   return r.gemm3_ms > 0 ? r.total_ms / r.gemm3_ms : 0.0;
 }
+// --hidden: the floor of an exact step (docs/linear.md, "The floor of an exact step"): gemm3
+// plus 8 bytes a logit at the copy bandwidth. Each logit must be in fp32 when its gradient is
+// made: 16-bit inputs write it in 4 bytes (gemm3: 2), read it (4) and write its gradient (2);
+// f32 inputs read it (4) and write its gradient (4).
+double exact_floor_ms(const Result& r, const Env& env) {
+  return r.gemm3_ms + 8.0 * double(r.tokens) * double(r.width) / env.copy_bw * 1e3;
+}
+double x_floor(const Result& r, const Env& env) {
+  return r.gemm3_ms > 0 ? r.total_ms / exact_floor_ms(r, env) : 0.0;
+}
 
 nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Result>& results,
                        int64_t wrong) {
@@ -68,6 +78,8 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
       row["hidden"] = s.hidden;
       row["gemm3_ms"] = r.gemm3_ms > 0 ? json(r.gemm3_ms) : json(nullptr);
       row["x_gemm3"] = r.gemm3_ms > 0 ? json(x_gemm3(r)) : json(nullptr);
+      row["exact_floor_ms"] = r.gemm3_ms > 0 ? json(exact_floor_ms(r, env)) : json(nullptr);
+      row["x_floor"] = r.gemm3_ms > 0 ? json(x_floor(r, env)) : json(nullptr);
     } else {
       row.update({{"path", r.path},
                   {"allgather_ms", r.gather_ms},
@@ -127,11 +139,14 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
         "# gemm3: logits = hidden W^T, d_hidden = G W, d_weight = G^T hidden alone (%s); x gemm3: "
         "total / gemm3\n",
         s.device == "cuda" ? "cublasGemmEx, fp32 compute" : "cblas_sgemm on fp32 copies");
+    std::printf(
+        "# x floor: total / (gemm3 + 8 bytes a logit at the copy bandwidth), the floor of an exact "
+        "step: fp32 logits written, read once, their gradient written\n");
     std::printf("#\n");
-    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %9s %7s\n", "", "", "", "", "forward",
-                "backward", "total", "gemm3", "", "extra", "");
-    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %9s %7s\n", "tokens", "vocab/rank",
-                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "MiB", "#wrong");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s\n", "", "", "", "", "forward",
+                "backward", "total", "gemm3", "", "", "extra", "");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s\n", "tokens", "vocab/rank",
+                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "x floor", "MiB", "#wrong");
     std::fflush(stdout);
     return;
   }
@@ -157,15 +172,16 @@ void print_row(const Settings& s, const Env& env, const Result& r) {
   else
     std::snprintf(wrong, sizeof wrong, "N/A");
   if (s.hidden > 0) {
-    char gemm3[32] = "n/a", x[32] = "n/a";
+    char gemm3[32] = "n/a", x[32] = "n/a", xf[32] = "n/a";
     if (r.gemm3_ms > 0) {
       std::snprintf(gemm3, sizeof gemm3, "%.3f", r.gemm3_ms);
       std::snprintf(x, sizeof x, "%.2f", x_gemm3(r));
+      std::snprintf(xf, sizeof xf, "%.2f", x_floor(r, env));
     }
     std::printf("%10" PRId64 " %11" PRId64 " %7" PRId64
-                " %9s %9.3f %9.3f %9.3f %9s %8s %9.2f %7s\n",
+                " %9s %9.3f %9.3f %9.3f %9s %8s %8s %9.2f %7s\n",
                 r.tokens, r.width, s.hidden, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, gemm3,
-                x, r.extra_bytes / (1 << 20), wrong);
+                x, xf, r.extra_bytes / (1 << 20), wrong);
     std::fflush(stdout);
     return;
   }
