@@ -27,6 +27,10 @@ Metrics per row:
             step after each of the row's), so that both see the same clocks and temperature:
             the GPU's speed drifts over a run by more than the gaps measured (an H100 run gave
             gemm3 40.6 ms where others give 35.0 to 35.7)
+  x floor   the row's median over the floor of an exact step: the paired gemm3 plus 8 bytes a
+            logit at the copy bandwidth (a device-to-device copy of 1 GiB, 64 MiB on CPU, best
+            of 10, bytes read and written): fp32 logits written, read once and their 16-bit
+            gradient written (docs/linear.md, "The floor of an exact step")
   extra     torch.cuda.max_memory_allocated() during one step (after reset_peak_memory_stats)
             minus torch.cuda.memory_allocated() just before it, measured with the inputs (and
             for gemm3, G) allocated and h.grad = W.grad = None. So dH and dW, which every row
@@ -216,6 +220,20 @@ def measure(step, h, w, args, cuda, ref, own_buffers=False, paired=None):
     return res
 
 
+def copy_bandwidth(device, cuda):
+    """Bytes read and written a second by a device-to-device copy, the best of 10."""
+    src = torch.empty((1 << 30) if cuda else (64 << 20), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(10):
+        sync(cuda)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(cuda)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() / best
+
+
 def fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
@@ -259,8 +277,13 @@ def main():
           f"{args.hidden}, one rank, torch {torch.__version__}, liger {env['liger_kernel']}, "
           f"cce {env['cut_cross_entropy']}; median of {args.iters} steps after {args.warmup}",
           flush=True)
-    print("\n| V | row | ms | x gemm3 | extra MiB | loss abs err | dH rel err | dW rel err |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    bandwidth = copy_bandwidth(device, cuda)
+    env["copy_bandwidth_gbps"] = bandwidth / 1e9
+    print(f"# copy bandwidth {bandwidth / 1e9:.1f} GB/s (x floor: over gemm3 + 8 bytes a logit "
+          "at it)")
+    print("\n| V | row | ms | x gemm3 | x floor | extra MiB | loss abs err | dH rel err | "
+          "dW rel err |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     results, notes = [], []
     for vocab in vocabs:
         gen = torch.Generator(device=device).manual_seed(vocab)
@@ -291,7 +314,7 @@ def main():
                 continue
             res = dict(vocab=vocab, row=row, ms=None, ratio=None, extra_mib=None, loss_err=None,
                        dh_err=None, dw_err=None, dhdw_mib=grads_mib, logits_mib=logits_mib,
-                       paired_ms=None, error=None)
+                       paired_ms=None, x_floor=None, error=None)
             try:
                 if isinstance(step, str):  # liger or cce: why it is absent
                     res["error"] = step
@@ -304,6 +327,9 @@ def main():
                                        paired=None if row == "gemm3" else floor_step))
                 if res["ms"] is not None:
                     res["ratio"] = res["ms"] / (res["paired_ms"] or res["ms"])
+                if res["paired_ms"] is not None:
+                    floor_ms = res["paired_ms"] + 8 * args.tokens * vocab / bandwidth * 1e3
+                    res["x_floor"] = res["ms"] / floor_ms
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
                 res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             step = None
@@ -312,10 +338,10 @@ def main():
                 torch.cuda.empty_cache()
             results.append(res)
             if res["error"]:
-                print(f"| {vocab} | {row} | {res['error']} | | | | | |", flush=True)
+                print(f"| {vocab} | {row} | {res['error']} | | | | | | |", flush=True)
                 continue
             print(f"| {vocab} | {row} | {res['ms']:.3f} | {fmt(res['ratio'], '.2f')} | "
-                  f"{fmt(res['extra_mib'], '.1f')} | {fmt(res['loss_err'], '.1e')} | "
+                  f"{fmt(res['x_floor'], '.2f')} | {fmt(res['extra_mib'], '.1f')} | {fmt(res['loss_err'], '.1e')} | "
                   f"{fmt(res['dh_err'], '.1e')} | {fmt(res['dw_err'], '.1e')} |", flush=True)
         del h, w, y, ref, table, floor_step  # gemm3's closure holds G
         if cuda:
