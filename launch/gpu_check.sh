@@ -4,8 +4,9 @@
 # newer GPUs run from its PTX: the pre-Hopper paths, tested on the GPU at hand), build with the
 # LibTorch adapter (as launch/torch.sh configures it), run every test (GPU ones included: the
 # Python suite through `import xent` on CUDA, and over NCCL with 2 GPUs), the NCCL dist tests on
-# all GPUs (with and without the device exchange), and compute-sanitizer on a representative
-# subset (the device exchange of 2 ranks sharing GPU 0 among it).
+# all GPUs (with and without the device exchange), the fused lm head's bench verified on all GPUs
+# (xent_dist_bench --hidden --check), and compute-sanitizer on a representative subset (the
+# device exchange of 2 ranks sharing GPU 0 among it).
 # Logs go to $XENT_LOGS/<build>/ (default: gpu-logs/); XENT_GPU_BUILDS chooses the builds
 # ("default 80" by default: each word "default" or a CMAKE_CUDA_ARCHITECTURES value);
 # XENT_GPU_STEPS chooses the steps ("build test sanitize" by default: a machine whose commands
@@ -67,6 +68,11 @@ check_build() {
     XENT_TEST_DEVICE_EXCHANGE=1 XENT_TEST_BACKEND=cuda mpirun -np "$ngpu" --oversubscribe \
       "$build/dist_tests/xent_dist_tests" >"$logs/dist_nccl_exchange.log" 2>&1 || status=1
     grep -E "PASSED|FAILED|tests ran" "$logs/dist_nccl_exchange.log" | sort | uniq -c
+    echo "== the fused lm head over NCCL, $ngpu ranks, against the float64 reference"
+    mpirun -np "$ngpu" --oversubscribe "$build/bench/xent_dist_bench" --hidden 1024 --tokens 2048 \
+      --vocab 32064 --pad-to 128 --label-smoothing 0.1 --check -n 3 -w 1 \
+      >"$logs/lm_head_nccl.log" 2>&1 || status=1
+    grep -E "#wrong in all" "$logs/lm_head_nccl.log"
   fi
   { [ "${XENT_SANITIZE:-1}" = 0 ] || ! step sanitize; } && return
   echo "== compute-sanitizer ($name)"
