@@ -81,6 +81,31 @@ TEST_F(Linear, ChunkSizesFusedAndDeferred) {
   }
 }
 
+// Past one of the CPU GEMM's row blocks (host::kRowBlock rows), chunks that start and end
+// anywhere in a block: every row's loss and lse the same bits whatever the chunking (CPU).
+TEST_F(Linear, RowBitsPastOneGemmBlock) {
+  if (on_cuda()) GTEST_SKIP() << "cuBLASLt picks its GEMM by shape: checked against float64 only";
+  const xent::Group g = local();
+  std::vector<float> first_loss, first_lse;
+  for (int64_t rows : {300, 1, 7, 128, 129, 0}) {
+    SCOPED_TRACE("chunk_rows " + std::to_string(rows));
+    LinearCase c;
+    c.rows = 300;
+    c.widths = {70};
+    c.opt.reduction = Reduction::none;
+    c.opt.grad_mode = GradMode::fused;
+    c.lopt.chunk_rows = rows;
+    c.p_ignore = 0.1;
+    const xtest::LinearGot got = run_linear(g, c);
+    if (first_loss.empty()) {
+      first_loss = got.loss;
+      first_lse = got.lse;
+    }
+    EXPECT_EQ(got.loss, first_loss) << "a row's loss depends on the chunk size";
+    EXPECT_EQ(got.lse, first_lse) << "a row's lse depends on the chunk size";
+  }
+}
+
 TEST_F(Linear, Reductions) {
   const xent::Group g = local();
   for (Reduction r : {Reduction::none, Reduction::mean, Reduction::sum}) {

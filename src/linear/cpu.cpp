@@ -1,5 +1,6 @@
 // The chunk loop on the CPU backend. Per chunk of rows: the hidden rows in fp32 (gathered from
-// every rank with sequence parallelism), logits = hidden @ weight^T (fp32 GEMM), then the logits
+// every rank with sequence parallelism), logits = hidden @ weight^T (fp32 GEMMs of a fixed number
+// of rows, so that a row's logits do not depend on the chunking), then the logits
 // path's own steps on them (cpu::stats, the all-gather of the records, cpu::finalize_rows), then
 // the gradient over the logits (cpu::gradient, in place) and the two GEMMs that consume it:
 // d_hidden's partial (summed over the ranks) and d_weight's (accumulated in fp32 over the chunks).
@@ -21,12 +22,13 @@ namespace {
 
 // The call's buffers, kept in the group's workspace between calls and only grown.
 struct Scratch {
-  std::vector<float> weight;    // [real columns, H]: the weight in fp32 where it is not f32
-  std::vector<float> mine;      // [rows, H]: this chunk's hidden rows of this rank, fp32
-  std::vector<float> hidden;    // [chunk rows, H]: every rank's (sequence parallelism)
-  std::vector<float> logits;    // [chunk rows, V_local]: the logits, then their gradient
-  std::vector<float> partial;   // [chunk rows, H]: this rank's part of d_hidden
-  std::vector<float> gathered;  // every rank's partial, for the sums
+  std::vector<float> weight;  // [real columns, H]: the weight in fp32 where it is not f32
+  std::vector<float> mine;    // [rows, H]: this chunk's hidden rows of this rank, fp32
+  std::vector<float> hidden;  // [chunk rows, H]: every rank's (sequence parallelism)
+  std::vector<float> logits;  // [chunk rows, V_local]: the logits, then their gradient
+  std::vector<float> pad_hidden, pad_logits;  // a block of the logits GEMM's last rows, padded
+  std::vector<float> partial;                 // [chunk rows, H]: this rank's part of d_hidden
+  std::vector<float> gathered;                // every rank's partial, for the sums
   std::vector<float> d_hidden;  // [rows, H]: the chunk's d_hidden, summed over the ranks
   std::vector<float> d_weight;  // [real columns, H]: the accumulator where d_weight is not f32
   std::vector<float> lse, loss, z_loss, grad_output;  // [chunk rows]
@@ -79,7 +81,9 @@ class Chunks {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
       const int64_t m = c * plan_.ranks;
       inputs(r0, c);
-      host::sgemm(false, true, m, real_, H_, h_, ldh_, w_, ldw_, 0.0f, logits_, V_);
+      host::sgemm_nt_row_invariant(m, real_, H_, h_, ldh_, w_, ldw_, logits_, V_,
+                                   grow(s_->pad_hidden, host::kRowBlock * H_),
+                                   grow(s_->pad_logits, host::kRowBlock * real_));
       core::Problem pc = call_.p;  // the chunk's logits as the logits path sees a shard
       pc.rows = m;
       pc.row_stride = V_;
