@@ -15,7 +15,7 @@ namespace xent::linear::host {
 void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
            const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
-// The rows of a GEMM whose bits do not depend on how many rows came with them (below).
+// The rows of each BLAS call of sgemm_nt_row_invariant.
 constexpr int64_t kRowBlock = 128;
 
 // C = A B^T (beta 0), A [m, k], B [n, k], C [m, n], each row of C the same bits whatever m: the
