@@ -164,7 +164,9 @@ void describe_row(const Settings& s, Operation& op, Result& r) {
   r.path = op.path();
   r.bytes = bytes_moved(r.tokens, r.width, s.dtype);
 }
-void describe_row(const Settings&, LinearOperation&, Result&) {}
+void describe_row(const Settings&, LinearOperation& op, Result& r) {
+  r.path = op.path();
+}
 
 template <class Op>
 std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Op& op, int64_t width) {

@@ -7,7 +7,9 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "op.h"
@@ -330,10 +332,45 @@ struct LinearOperation::Gemm {
   cublasHandle_t handle = nullptr;
 };
 
+// The fused lm head's scratch through xent::Allocator, as a caller's allocator would give it
+// (cudaMallocAsync on the call's stream; malloc on the CPU), counted: `peak` is the most held
+// at once.
+struct LinearOperation::Counting final : xent::Allocator {
+  bool gpu = false;
+  int64_t now = 0, peak = 0;
+  void* allocate(size_t bytes, cudaStream_t stream) override {
+    void* p = nullptr;
+    if (gpu) {
+      if (cudaMallocAsync(&p, bytes, stream) != cudaSuccess)
+        throw std::runtime_error("cudaMallocAsync of " + std::to_string(bytes) + " bytes failed");
+    } else {
+      p = std::malloc(bytes);
+      if (p == nullptr) throw std::runtime_error("malloc failed");
+    }
+    now += static_cast<int64_t>(bytes);
+    peak = std::max(peak, now);
+    return p;
+  }
+  void release(void* p, size_t bytes, cudaStream_t stream) override {
+    if (gpu)
+      cudaFreeAsync(p, stream);
+    else
+      std::free(p);
+    now -= static_cast<int64_t>(bytes);
+  }
+};
+
 LinearOperation::LinearOperation(const Settings& s, xent::Group& group, Device& dev)
     : s_(s), group_(group), dev_(dev), gemm_(std::make_shared<Gemm>(dev)) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   opt_ = plan_options(s, group, shard_);
+  alloc_ = std::make_shared<Counting>();
+  alloc_->gpu = dev.gpu();
+  lopt_.allocator = alloc_.get();
+  lopt_.max_scratch_bytes = static_cast<size_t>(s.scratch_mib) << 20;
+  lopt_.schedule = s.schedule == "fast"   ? xent::LinearSchedule::fast
+                   : s.schedule == "lean" ? xent::LinearSchedule::lean
+                                          : xent::LinearSchedule::automatic;
 }
 
 LinearOperation::~LinearOperation() = default;
@@ -408,12 +445,15 @@ void LinearOperation::first_call(const std::string& mode) {
     dev_.zero(b->get(), b->bytes());
   dev_.sync();
 
+  alloc_->peak = 0;
   extra_bytes_ = extra_after(dev_, group_, extra_bytes_, [this] {
     forward();
     backward();
     dev_.sync();
     check_errors();
   });
+  // The scratch is the call's (it goes back when the call ends): its most at once.
+  extra_bytes_ = std::max(extra_bytes_, alloc_->peak);
 }
 
 void LinearOperation::forward() {
@@ -424,14 +464,16 @@ void LinearOperation::forward() {
     out.d_hidden = size_->grads.d_hidden;
     out.d_weight = size_->grads.d_weight;
   }
-  xent::linear_forward(group_, size_->hv, size_->wv, size_->tv, opt_, xent::LinearOptions{}, out,
-                       dev_.stream());
+  xent::LinearPlan plan;
+  out.plan = &plan;
+  xent::linear_forward(group_, size_->hv, size_->wv, size_->tv, opt_, lopt_, out, dev_.stream());
+  path_ = xent::to_string(plan.schedule);
 }
 
 void LinearOperation::backward() {
   if (opt_.grad_mode != xent::GradMode::deferred) return;
   xent::linear_backward(group_, size_->hv, size_->wv, size_->tv, size_->lse.as<float>(),
-                        size_->gout.as<float>(), opt_, xent::LinearOptions{}, size_->grads,
+                        size_->gout.as<float>(), opt_, lopt_, size_->grads,
                         dev_.stream());
 }
 

@@ -11,6 +11,7 @@
 
 #include "device.h"
 #include "options.h"
+#include "xent/linear.h"
 #include "xent/xent.h"
 
 namespace xb {
@@ -42,6 +43,7 @@ class LinearOperation {
   void backward();  // fused: nothing (linear_forward made the gradients)
   void check_errors();
   int64_t extra_bytes() const { return extra_bytes_; }
+  std::string path() const { return path_; }  // the schedule the plan took
 
  private:
   struct Size;
@@ -56,6 +58,11 @@ class LinearOperation {
   std::unique_ptr<Size> size_;
   std::shared_ptr<Gemm> gemm_;
   int64_t extra_bytes_ = 0;
+  std::string path_;
+  // The scratch of the calls, counted: the most held at once is the extra column.
+  struct Counting;
+  std::shared_ptr<Counting> alloc_;
+  xent::LinearOptions lopt_;
 };
 
 }  // namespace xb

@@ -284,6 +284,26 @@ const std::vector<Option> kOptions = {
                 "deferred");
      },
      [](const Settings& s, json& c) { c["hidden"] = s.hidden; }},
+    {"scratch_mib", "--scratch-mib", "MIB",
+     "--hidden: the bound on the fused lm head's scratch (LinearOptions::max_scratch_bytes) in "
+     "MiB; 0: the default (an eighth of the bf16 logits, or what the lean schedule needs); the "
+     "extra column is the most the call held at once",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.scratch_mib = to_int(*v, 0, int64_t(1) << 30);
+     },
+     [](const Settings& s, json& c) { c["scratch_mib"] = s.scratch_mib; }},
+    {"schedule", "--schedule", "S",
+     "--hidden: the fused lm head's schedule, auto (the plan's choice), fast or lean "
+     "(LinearOptions::schedule); the path column says which ran",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (!v) return;
+       if (v->value != "auto" && v->value != "fast" && v->value != "lean")
+         refuse(*v, "must be auto, fast or lean");
+       r.s.schedule = v->value;
+     },
+     [](const Settings& s, json& c) { c["schedule"] = s.schedule; }},
     {"json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)", false,
      [](Resolve& r, const Source* v) {
        if (!v) return;

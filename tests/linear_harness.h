@@ -10,6 +10,9 @@
 
 #include <xent/linear.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "harness.h"
 
 namespace xtest {
@@ -225,11 +228,31 @@ struct LinearGot {
   std::vector<float> loss, lse;
   std::vector<float> d_hidden;            // this rank's d_hidden, row-major [rows, H] (if computed)
   double worst_dh = 0.0, worst_dw = 0.0;  // max |error| / magnitude (f32 outputs)
+  xent::LinearPlan plan;                  // forward's
 };
+
+// XENT_TEST_LINEAR_SCHEDULE=fast or lean (ctest runs the linear suites under both): the schedule
+// every case takes where it asks for none (automatic), so that each case checks both. Under lean
+// a case that sets no chunk_cols takes chunks of 7 columns, or a sixth of the widest shard where
+// that is more (several chunks, a short last one; as many as a vocabulary of 128256 in chunks of
+// 3072 makes at most), and its chunk_rows become lean's blocks of rows.
+inline xent::LinearOptions with_test_schedule(xent::LinearOptions l, int64_t widest) {
+  const char* e = std::getenv("XENT_TEST_LINEAR_SCHEDULE");
+  if (e == nullptr || l.schedule != xent::LinearSchedule::automatic) return l;
+  const std::string s = e;
+  if (s == "fast") l.schedule = xent::LinearSchedule::fast;
+  if (s == "lean") {
+    l.schedule = xent::LinearSchedule::lean;
+    if (l.chunk_cols == 0) l.chunk_cols = std::max<int64_t>(7, widest / 6);
+  }
+  return l;
+}
 
 // Runs linear_forward (and linear_backward for deferred) on this rank of `g` and checks every
 // output against the reference of the whole problem.
-inline LinearGot run_linear(const xent::Group& g, const LinearCase& c) {
+inline LinearGot run_linear(const xent::Group& g, const LinearCase& case_in) {
+  LinearCase c = case_in;
+  c.lopt = with_test_schedule(c.lopt, *std::max_element(c.widths.begin(), c.widths.end()));
   using xent::DType;
   using xent::Reduction;
   LinearGot got;
@@ -318,7 +341,13 @@ inline LinearGot run_linear(const xent::Group& g, const LinearCase& c) {
   xent::TargetsView tv = tg.view();
   tv.data = dev(tv.data, tg.bytes());
   const xent::MatrixView hv = dev(matrix_view(hb), hb), wv = dev(matrix_view(wb), wb);
+  xent::LinearPlan plan;
+  out.plan = &plan;
   xent::linear_forward(g, hv, wv, tv, opt, c.lopt, out);
+  // The plan stays within its budget, and takes the schedule asked for.
+  EXPECT_LE(plan.scratch_bytes, plan.budget);
+  if (c.lopt.schedule != xent::LinearSchedule::automatic) EXPECT_EQ(plan.schedule, c.lopt.schedule);
+  got.plan = plan;
   std::vector<float> go(c.grad_output.begin(), c.grad_output.end());
   if (deferred) {
     if (go.size() == static_cast<size_t>(N)) go.assign(go.begin() + r0, go.begin() + r0 + Nk);

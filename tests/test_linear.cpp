@@ -42,7 +42,7 @@ class Linear : public ::testing::Test {
 };
 
 // Chunks of 1 row, of a size that does not divide the rows (16), of all rows and more, and from
-// max_chunk_bytes (0: the default 1 GiB, and a bound that holds 3 rows of 40 columns).
+// the default budget.
 std::vector<xent::LinearOptions> chunkings() {
   std::vector<xent::LinearOptions> all;
   for (int64_t rows : {1, 5, 16, 100, 0}) {
@@ -50,10 +50,28 @@ std::vector<xent::LinearOptions> chunkings() {
     l.chunk_rows = rows;
     all.push_back(l);
   }
-  xent::LinearOptions bytes;
-  bytes.max_chunk_bytes = 3 * 40 * 8 + 7;
-  all.push_back(bytes);
   return all;
+}
+
+// CUDA, 16-bit inputs, the fast schedule: a budget under which chunks of `chunk_rows` rows make
+// their fp32 logits sub-chunks of `sub` rows (plan.h: a sub-chunk takes what the budget leaves
+// it, at most kSubRows). 0 on the CPU (no sub-chunks): the default budget.
+size_t budget_for_sub_rows(const xent::Group& g, const LinearCase& c, int64_t sub) {
+  if (g.backend() != xent::Backend::cuda) return 0;
+  char fake[16];  // linear_plan reads no data
+  const int64_t V = c.widths[0];
+  const xent::MatrixView h{fake, c.dtype, c.rows, c.H, c.H}, w{fake, c.dtype, V, c.H, c.H};
+  xent::Options opt = c.opt;
+  opt.vocab_size = c.vocab_size;
+  xent::LinearOutputs out;
+  out.d_hidden = xent::MatrixView{fake, c.grad_dtype, c.rows, c.H, c.H};
+  out.d_weight = xent::MatrixView{fake, c.grad_dtype, V, c.H, c.H};
+  xent::LinearOptions l = c.lopt;
+  l.schedule = xent::LinearSchedule::fast;
+  const xent::LinearPlan p =
+      xent::linear_plan(g, h, w, xent::TargetsView{fake, xent::IndexType::i64, c.rows}, opt, l, out);
+  const int64_t full = std::min<int64_t>(512, p.chunk_rows);
+  return p.scratch_bytes - static_cast<size_t>((full - sub) * V * 4) + 255;
 }
 
 TEST_F(Linear, ChunkSizesFusedAndDeferred) {
@@ -62,8 +80,7 @@ TEST_F(Linear, ChunkSizesFusedAndDeferred) {
     std::vector<float> first_loss;
     for (const xent::LinearOptions& l : chunkings()) {
       SCOPED_TRACE(std::string(xent::to_string(mode)) + ", chunk_rows " +
-                   std::to_string(l.chunk_rows) + ", max_chunk_bytes " +
-                   std::to_string(l.max_chunk_bytes));
+                   std::to_string(l.chunk_rows));
       LinearCase c;
       c.opt.grad_mode = mode;
       c.lopt = l;
@@ -139,9 +156,10 @@ TEST_F(Linear, Bf16Inputs) {
 }
 
 // Chunks of several of the CUDA backend's sub-chunks of fp32 logits of bf16 inputs (plan.h, 40
-// columns, max_chunk_bytes = 81920): chunks of 200 rows (sub-chunks of 128 rows: two, the second
-// short) and of max_chunk_bytes' choosing (all 300 rows in one chunk of sub-chunks of 256 rows:
-// 256 and 44), with per-row outputs and a per-row grad_output across the sub-chunks' seams.
+// columns, the fast schedule, a budget that leaves a sub-chunk 128 or 256 rows): chunks of 200
+// rows (sub-chunks of 128 rows: two, the second short) and all 300 rows in one chunk of
+// sub-chunks of 256 rows (256 and 44), with per-row outputs and a per-row grad_output across the
+// sub-chunks' seams.
 TEST_F(Linear, ChunksOfSeveralSubChunks) {
   const xent::Group g = local();
   for (int64_t rows : {200, 0}) {
@@ -154,8 +172,9 @@ TEST_F(Linear, ChunksOfSeveralSubChunks) {
       c.opt.grad_mode = mode;
       c.opt.reduction = Reduction::none;
       c.opt.compute_accuracy = true;
-      c.lopt.chunk_rows = rows;
-      c.lopt.max_chunk_bytes = 81920;
+      c.lopt.chunk_rows = rows == 0 ? 300 : rows;
+      c.lopt.schedule = xent::LinearSchedule::fast;
+      c.lopt.max_scratch_bytes = budget_for_sub_rows(g, c, rows == 0 ? 256 : 128);
       c.p_ignore = 0.1;
       if (mode == GradMode::deferred)
         for (int64_t i = 0; i < c.rows; ++i) c.grad_output.push_back(0.5 + 0.01 * (i % 7));
@@ -198,7 +217,8 @@ TEST_F(Linear, WideRowsSinglePass) {
           c.opt.grad_scale = 0.25f;  // the scale the single pass folds in
           // Sub-chunks of 7 rows: at row s0 of the chunk a 16-bit gradient row sits at element
           // s0 x 4101 of its buffer, so most of them cannot take a pack as one 8-byte store.
-          c.lopt.max_chunk_bytes = 7 * 4 * width;
+          c.lopt.schedule = xent::LinearSchedule::fast;
+          c.lopt.max_scratch_bytes = budget_for_sub_rows(g, c, 7);
         }
         run_linear(g, c);
       }
@@ -397,10 +417,14 @@ TEST(LinearErrors, ChunkOptions) {
   c.lopt.chunk_rows = -2;
   EXPECT_THAT(c.forward(), HasSubstr("LinearOptions::chunk_rows = -2: must be >= 1, or 0"));
   Call d;
-  d.lopt.max_chunk_bytes = 79;  // one row of 10 columns needs 80
+  d.lopt.max_scratch_bytes = 79;
   const std::string msg = d.forward();
-  EXPECT_THAT(msg, HasSubstr("LinearOptions::max_chunk_bytes = 79"));
-  EXPECT_THAT(msg, HasSubstr("80 bytes"));
+  EXPECT_THAT(msg, HasSubstr("LinearOptions::max_scratch_bytes = 79: too small for either"));
+  EXPECT_THAT(msg, HasSubstr("fast needs"));
+  EXPECT_THAT(msg, HasSubstr("lean needs"));
+  Call e;
+  e.lopt.chunk_cols = -1;
+  EXPECT_THAT(e.forward(), HasSubstr("LinearOptions::chunk_cols = -1: must be >= 1, or 0"));
 }
 
 TEST(LinearErrors, GradientsAndGradModes) {

@@ -1,8 +1,8 @@
-// The fused lm head's chunk plan (src/linear/plan.h), on the shapes of the H100 bench: where one
-// chunk of every row beats d_weight's fp32 accumulator, what a sub-chunk holds, and that a chunk
-// and its sub-chunk stay within max_chunk_bytes. The plan is internal: its effect on the numbers
-// is tested in test_linear.cpp (chunk sizes never change the loss bits), its effect on speed in
-// bench/linear_side_by_side.py.
+// The fused lm head's plan (src/linear/plan.h) on the shapes of the GPU benchmarks (8192 tokens,
+// hidden 4096, bf16, V 128256 over 1, 2 and 4 ranks): which schedule the default budget takes,
+// that every plan stays within its budget, and the refusals. The plan is internal: its effect on
+// the numbers is tested in test_linear.cpp and the dist tests (both schedules against float64),
+// its effect on speed and memory in xent_dist_bench --hidden and bench/linear_side_by_side.py.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -14,82 +14,129 @@ namespace {
 using xent::Backend;
 using xent::DType;
 using xent::LinearOptions;
-using xent::linear::chunk_cost;
-using xent::linear::ChunkCost;
-using xent::linear::ChunkPlan;
-using xent::linear::kSubRows;
-using xent::linear::plan_chunks;
+using xent::LinearSchedule;
+using xent::linear::Plan;
+using xent::linear::Shape;
 
-constexpr int64_t kH = 4096;
+constexpr size_t kMiB = size_t(1) << 20;
 
-// 16-bit inputs on CUDA with a 16-bit d_weight over a [V, kH] shard: its fp32 accumulator.
-ChunkCost bf16_cost(int64_t V) {
-  return chunk_cost(Backend::cuda, DType::bf16, sizeof(float) * static_cast<size_t>(V * kH));
+// A training step's forward (fused) on CUDA: bf16 hidden, weight, d_hidden and d_weight.
+Shape step(int ranks, int64_t widest, int64_t rows = 8192) {
+  Shape s;
+  s.backend = Backend::cuda;
+  s.ranks = ranks;
+  s.rows = rows;
+  s.widest = widest;
+  s.hidden = 4096;
+  s.inputs = DType::bf16;
+  s.gradients = s.d_hidden = s.d_weight = true;
+  s.d_hidden_f32 = s.d_weight_f32 = false;
+  s.sums = true;
+  return s;
 }
 
-// Bytes of a chunk of 16-bit gradient and its fp32 sub-chunk, for the widest shard.
-size_t chunk_bytes(const ChunkPlan& p, int64_t V) {
-  return static_cast<size_t>(p.logits_rows() * V * 2 + p.sub_rows * V * 4);
-}
-
-TEST(LinearPlan, OneChunkWhereTheWholeGradientFitsTheAccumulator) {
-  // 8192 rows of a 16-bit gradient take 2 x 8192 x V bytes, the accumulator 4 x 4096 x V: equal.
-  for (int64_t V : {16032, 64128, 128256}) {
-    SCOPED_TRACE("V " + std::to_string(V));
-    const ChunkPlan p = plan_chunks(LinearOptions{}, 8192, 1, V, bf16_cost(V));
-    EXPECT_EQ(p.chunks, 1);
-    EXPECT_EQ(p.rows, 8192);
-    // The sub-chunk takes the whole budget, in whole 128-row tiles.
-    const int64_t fit = static_cast<int64_t>((size_t(1) << 30) / (4 * V));
-    EXPECT_EQ(p.sub_rows, std::min<int64_t>(8192, fit - fit % 128));
+TEST(LinearPlan, DefaultIsLeanWithinAnEighthOfTheLogitsOrLeansNeed) {
+  for (int tp : {1, 2, 4}) {
+    const int64_t V = 128256 / tp;
+    SCOPED_TRACE("TP " + std::to_string(tp));
+    const Shape s = step(tp, V);
+    const Plan p = make_plan(s, LinearOptions{});
+    EXPECT_EQ(p.info.schedule, LinearSchedule::lean);
+    EXPECT_EQ(p.info.budget, xent::linear::default_budget(s));
+    EXPECT_LE(p.total, p.info.budget);
+    EXPECT_LE(p.info.budget, 256 * kMiB) << "the issue's target: at most 256 MiB of scratch";
+    const size_t logits16 = size_t(8192) * size_t(V) * 2;
+    if (logits16 / 8 >= 200 * kMiB) EXPECT_EQ(p.info.budget, logits16 / 8);
+    EXPECT_GE(p.info.chunk_cols, xent::linear::kLeanCols);
+    EXPECT_EQ(p.info.chunk_rows, xent::linear::kLeanRows);
+    EXPECT_EQ(p.info.chunks, (V + p.info.chunk_cols - 1) / p.info.chunk_cols);
   }
 }
 
-TEST(LinearPlan, SeveralChunksPastTheAccumulator) {
-  const int64_t V = 128256;
-  for (int64_t rows : {2 * kH + 1, int64_t(32768)}) {
-    SCOPED_TRACE("rows " + std::to_string(rows));
-    const LinearOptions lopt{};
-    const ChunkPlan p = plan_chunks(lopt, rows, 1, V, bf16_cost(V));
-    EXPECT_GT(p.chunks, 1);
-    EXPECT_LE(chunk_bytes(p, V), lopt.max_chunk_bytes);
-    EXPECT_LE(p.sub_rows, kSubRows);
-    EXPECT_EQ(p.sub_rows % 128, 0);
-    EXPECT_EQ(p.rows % p.sub_rows, 0) << "a short sub-chunk in every chunk";
-    EXPECT_EQ(p.chunks, (rows + p.rows - 1) / p.rows);
+TEST(LinearPlan, FastWhereTheBudgetHoldsIt) {
+  // 4 GiB holds the whole 16-bit gradient of every row (2 GiB at V 128256): one chunk, and no
+  // fp32 accumulator of d_weight.
+  LinearOptions big;
+  big.max_scratch_bytes = size_t(4) << 30;
+  const Plan p = make_plan(step(1, 128256), big);
+  EXPECT_EQ(p.info.schedule, LinearSchedule::fast);
+  EXPECT_EQ(p.info.chunks, 1);
+  EXPECT_EQ(p.bytes[xent::linear::kDWeight], 0u);
+  EXPECT_LE(p.total, big.max_scratch_bytes);
+  // d_weight in fp32 (Megatron's main_grad): fast needs no accumulator, so a budget that holds
+  // its chunks of 1024 rows takes it.
+  Shape f32 = step(1, 128256);
+  f32.d_weight_f32 = true;
+  LinearOptions some;
+  some.max_scratch_bytes = 600 * kMiB;
+  const Plan q = make_plan(f32, some);
+  EXPECT_EQ(q.info.schedule, LinearSchedule::fast);
+  EXPECT_GE(q.info.chunk_rows, xent::linear::kFastRows);
+  EXPECT_EQ(q.info.chunk_rows % q.sub_rows, 0) << "whole sub-chunks";
+  EXPECT_LE(q.total, some.max_scratch_bytes);
+}
+
+TEST(LinearPlan, AskedScheduleAndChunks) {
+  LinearOptions l;
+  l.schedule = LinearSchedule::fast;
+  l.max_scratch_bytes = size_t(2) << 30;  // d_weight's fp32 accumulator takes 1 GiB at TP 2
+  const Plan p = make_plan(step(2, 64128), l);
+  EXPECT_EQ(p.info.schedule, LinearSchedule::fast);
+  EXPECT_LE(p.total, l.max_scratch_bytes);
+  LinearOptions c;
+  c.schedule = LinearSchedule::lean;
+  c.chunk_cols = 1000;
+  c.chunk_rows = 300;
+  const Plan q = make_plan(step(2, 64128), c);
+  EXPECT_EQ(q.info.chunk_cols, 1000);
+  EXPECT_EQ(q.info.chunk_rows, 300);
+  EXPECT_EQ(q.info.chunks, (64128 + 999) / 1000);
+}
+
+TEST(LinearPlan, SequenceParallelCountsEveryRanksRows) {
+  Shape s = step(4, 32064, 2048);  // 2048 rows a rank, 8192 in all
+  s.sequence_parallel = true;
+  const Plan p = make_plan(s, LinearOptions{});
+  EXPECT_EQ(p.info.schedule, LinearSchedule::lean);
+  // The accumulator of d_hidden and the gathered hidden hold every rank's rows.
+  EXPECT_EQ(p.bytes[xent::linear::kDHidden], size_t(8192) * 4096 * 4);
+  EXPECT_EQ(p.bytes[xent::linear::kHidden], size_t(8192) * 4096 * 2);
+  EXPECT_LE(p.total, p.info.budget);
+}
+
+TEST(LinearPlan, RefusalNamesWhatEachScheduleNeeds) {
+  LinearOptions l;
+  l.max_scratch_bytes = 100 * kMiB;  // below the fp32 accumulator of d_hidden alone (128 MiB)
+  try {
+    make_plan(step(1, 128256), l);
+    ADD_FAILURE() << "no refusal";
+  } catch (const xent::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("LinearOptions::max_scratch_bytes = 104857600"), std::string::npos) << m;
+    EXPECT_NE(m.find("fast needs"), std::string::npos) << m;
+    EXPECT_NE(m.find("lean needs"), std::string::npos) << m;
+  }
+  LinearOptions old;  // the former name names itself
+  old.max_chunk_bytes = 1000;
+  old.schedule = LinearSchedule::lean;
+  try {
+    make_plan(step(1, 128256), old);
+    ADD_FAILURE() << "no refusal";
+  } catch (const xent::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LinearOptions::max_chunk_bytes = 1000"),
+              std::string::npos);
   }
 }
 
-TEST(LinearPlan, NoAccumulatorNoWholeChunk) {
-  // d_weight in f32 (or not computed): chunks of the budget, however few the rows.
-  const int64_t V = 128256;
-  const ChunkPlan p =
-      plan_chunks(LinearOptions{}, 8192, 1, V, chunk_cost(Backend::cuda, DType::bf16, 0));
-  EXPECT_GT(p.chunks, 1);
-  EXPECT_LE(chunk_bytes(p, V), LinearOptions{}.max_chunk_bytes);
-  // The CPU backend: fp32 logits and gradient, 8 bytes per logit, no sub-chunk.
-  const ChunkPlan c =
-      plan_chunks(LinearOptions{}, 8192, 1, V, chunk_cost(Backend::cpu, DType::bf16, 0));
-  EXPECT_EQ(c.sub_rows, 0);
-  EXPECT_EQ(c.rows, static_cast<int64_t>((size_t(1) << 30) / (8 * V)));
-}
-
-TEST(LinearPlan, ChunkRowsAndSequenceParallelism) {
-  const int64_t V = 16032;
-  LinearOptions lopt;
-  lopt.chunk_rows = 300;  // asked for: kept, even where one chunk would be leaner
-  const ChunkPlan p = plan_chunks(lopt, 8192, 1, V, bf16_cost(V));
-  EXPECT_EQ(p.rows, 300);
-  EXPECT_EQ(p.sub_rows, 256);  // whole tiles: 256 + 44
-  // Sequence parallelism over 4 ranks: a chunk holds every rank's rows, in the budget.
-  lopt = LinearOptions{};
-  lopt.sequence_parallel = true;
-  const ChunkPlan s = plan_chunks(lopt, 8192, 4, V, bf16_cost(V));
-  EXPECT_EQ(s.ranks, 4);
-  EXPECT_GT(s.chunks, 1);  // 4 x 8192 rows: past the accumulator
-  EXPECT_LE(chunk_bytes(s, V), lopt.max_chunk_bytes);
-  // No rows: no chunk.
-  EXPECT_EQ(plan_chunks(LinearOptions{}, 0, 1, V, bf16_cost(V)).chunks, 0);
+TEST(LinearPlan, NoRowsAndNoGradients) {
+  EXPECT_LE(make_plan(step(1, 128256, 0), LinearOptions{}).total,
+            xent::linear::default_budget(step(1, 128256, 0)));
+  Shape eval = step(1, 128256);
+  eval.gradients = false;  // grad_mode none: statistics only
+  const Plan p = make_plan(eval, LinearOptions{});
+  EXPECT_EQ(p.bytes[xent::linear::kGrad], 0u);
+  EXPECT_EQ(p.bytes[xent::linear::kDHidden], 0u);
+  EXPECT_LE(p.total, p.info.budget);
 }
 
 }  // namespace

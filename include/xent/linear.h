@@ -24,29 +24,71 @@ struct MatrixView {
   int64_t row_stride = 0;
 };
 
+// Where the fused lm head takes its scratch: every byte a call allocates beyond its inputs and
+// outputs comes from here, once per call, and is handed back before the call returns (stream-
+// ordered on CUDA: the memory may still be in use by the call's queued work, as with
+// cudaFreeAsync). Host memory for the CPU backend, device memory of the group's device for CUDA.
+// Null in LinearOptions: malloc/free on the CPU backend, cudaMallocAsync/cudaFreeAsync on the
+// call's stream on CUDA (the device's default memory pool: inside CUDA graph capture that makes
+// graph memory nodes). The LibTorch adapter passes PyTorch's caching allocator.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  // At least `bytes` bytes, aligned to 256; throws xent::Error where it cannot.
+  virtual void* allocate(size_t bytes, cudaStream_t stream) = 0;
+  virtual void release(void* p, size_t bytes, cudaStream_t stream) = 0;
+};
+
+// How the fused lm head orders its work (docs/linear.md, "Schedules"):
+//   fast: chunks of rows; each chunk's logits made once, and its gradient consumed by the
+//         d_hidden and d_weight GEMMs at once (three GEMMs). A 16-bit d_weight over several
+//         chunks is accumulated in fp32 scratch ([V_local, H] floats) and rounded once at the end.
+//   lean: forward keeps only each row's statistics (chunks of the vocabulary); the gradient
+//         sweeps the vocabulary in chunks, making each chunk's logits again, writing that chunk's
+//         d_weight rows complete (rounded once, no [V_local, H] accumulator) and adding its part
+//         of d_hidden to an fp32 [rows, H] accumulator (four GEMMs).
+//   automatic: fast where d_weight accumulates in fp32 anyway (f32 d_weight, accumulate_d_weight,
+//         or no d_weight), or where the budget holds fast's chunks of at least kFastRows rows;
+//         else lean. Both are exact: the same loss (to fp32 rounding) and gradients rounded once.
+enum class LinearSchedule { automatic, fast, lean };
+const char* to_string(LinearSchedule s);
+
 struct LinearOptions {
   // false: every rank holds the same hidden [N, H] and targets [N]. true (sequence parallelism):
   // rank k holds its own N_k rows of hidden and their targets, N_k the same on every rank, and
-  // the problem is over the ranks' rows in rank order, gathered chunk by chunk.
+  // the problem is over the ranks' rows in rank order.
   bool sequence_parallel = false;
-  // Rows of this rank's hidden per chunk; with sequence_parallel every rank gives that many, so
-  // a chunk's logits have ranks * chunk_rows rows. 0: the most that max_chunk_bytes allows.
+  LinearSchedule schedule = LinearSchedule::automatic;
+  // The bound on every byte of scratch a call takes (chunks of logits and of their gradient,
+  // accumulators, exchange buffers, cuBLASLt's workspace), counted for the widest rank's shard.
+  // 0: the default, the larger of an eighth of the 16-bit logits [rows, V_local] that the call
+  // replaces and what the lean schedule needs (docs/linear.md, "The budget"). A schedule that
+  // cannot fit in it is refused, naming what it needs.
+  size_t max_scratch_bytes = 0;
+  // The former name of max_scratch_bytes, still honoured where max_scratch_bytes is 0 (its
+  // former default of 1 GiB is no longer applied: leave both 0 for the default).
+  size_t max_chunk_bytes = 0;
+  // fast: rows of this rank's hidden per chunk (with sequence_parallel every rank gives that
+  // many, so a chunk's logits have ranks * chunk_rows rows); lean: rows of each block of fp32
+  // logits. 0: the most that the budget allows.
   int64_t chunk_rows = 0;
-  // With chunk_rows = 0: a chunk's buffers take at most this many bytes, counted for the widest
-  // rank's shard (it must hold one row of each rank). CPU: its logits and their gradient in fp32,
-  // 8 bytes per row and column. CUDA: its gradient in the inputs' dtype (2 or 4 bytes per row and
-  // column) and, for 16-bit inputs, the fp32 logits of a sub-chunk of at most 512 rows. The
-  // CUDA backend's other buffers: the fp32 d_weight accumulator where d_weight is not f32 and
-  // there is more than one chunk ([V_local, H]), cuBLASLt's 32 MiB workspace. Where that
-  // accumulator would be no smaller than the whole 16-bit gradient of every row (rows <= 2 H),
-  // the chunk is every row instead (the gradient takes [rows, V_local] 16-bit beside this bound,
-  // and the sub-chunk all of it): docs/linear.md, "The CUDA backend". 1 GiB: chunks of about
-  // 3000 rows at V_local 128256, enough for d_weight's fp32 accumulation to hide under its GEMM
-  // (256 MiB took 1.90x the three GEMMs' time at hidden 2048 on H100, 1 GiB 1.34x).
-  size_t max_chunk_bytes = size_t(1) << 30;
+  // lean: columns of each chunk of the vocabulary (of this rank's shard). 0: from the budget.
+  int64_t chunk_cols = 0;
   // d_weight += the gradient rather than = it (Megatron's main_grad); d_weight must be f32, and
   // its padding rows (past vocab_size) are left as they are.
   bool accumulate_d_weight = false;
+  // Scratch comes from here (see Allocator); null: the default.
+  Allocator* allocator = nullptr;
+};
+
+// The plan a call takes (LinearOutputs::plan, linear_plan): the same on every rank.
+struct LinearPlan {
+  LinearSchedule schedule = LinearSchedule::fast;  // never automatic
+  size_t budget = 0;         // the bound in force (LinearOptions, or the default)
+  size_t scratch_bytes = 0;  // what the call allocates, within budget
+  int64_t chunk_rows = 0;    // fast: this rank's rows per chunk; lean: rows per block of logits
+  int64_t chunk_cols = 0;    // lean: vocabulary columns per chunk; fast: the shard's
+  int64_t chunks = 0;        // fast: chunks of rows; lean: chunks of the vocabulary
 };
 
 // Where linear_forward writes (and linear_backward: d_hidden and d_weight only). "This rank's
@@ -63,6 +105,8 @@ struct LinearOutputs {
   // [V_local, H], weight's dtype or f32: the gradient with respect to this rank's weight shard,
   // over every rank's rows; padding rows 0. data null: not computed.
   MatrixView d_weight{};
+  // Optional: the plan the call took (host memory).
+  LinearPlan* plan = nullptr;
 };
 
 // Forward of loss(hidden @ weight^T) on this rank's shard of the vocabulary. The weight's rows
@@ -87,5 +131,13 @@ void linear_backward(const Group& group, MatrixView hidden, MatrixView weight, T
                      const float* lse, const float* grad_output, const Options& opt,
                      const LinearOptions& lopt, const LinearOutputs& out,
                      cudaStream_t stream = nullptr);
+
+// The plan linear_forward (or linear_backward, with `gradients` true) would take for these
+// arguments: collective as they are (the ranks agree on it), computing nothing. For logs and
+// benchmarks; the outputs' pointers need not be set, only their dtypes (d_hidden, d_weight: data
+// non-null where they would be computed).
+LinearPlan linear_plan(const Group& group, MatrixView hidden, MatrixView weight,
+                       TargetsView targets, const Options& opt, const LinearOptions& lopt,
+                       const LinearOutputs& out);
 
 }  // namespace xent

@@ -93,8 +93,12 @@ struct LinearCrossEntropyOptions {
   // is over every rank's rows in rank order, and d_hidden is this rank's rows. false: every rank
   // holds the same hidden and target, and d_hidden is summed over the ranks.
   bool sequence_parallel = false;
-  int64_t chunk_rows = 0;                        // rows of hidden per chunk; 0: max_chunk_bytes
-  int64_t max_chunk_bytes = int64_t(1) << 30;  // a chunk's fp32 logits and their gradient
+  int64_t chunk_rows = 0;  // rows of hidden per chunk (LinearOptions::chunk_rows); 0: the budget's
+  // The bound on the call's scratch (LinearOptions::max_scratch_bytes; 0: the default budget),
+  // taken from PyTorch's caching allocator for CUDA tensors. max_chunk_bytes: its former name,
+  // honoured where max_scratch_bytes is 0.
+  int64_t max_scratch_bytes = 0;
+  int64_t max_chunk_bytes = 0;
 };
 
 // hidden: [..., H] float32/bfloat16/float16 on the CPU; weight: [V_local, H], hidden's dtype

@@ -156,6 +156,16 @@ class Communicator {
   virtual int device() const { return -1; }
   // recv[r * bytes, (r + 1) * bytes) = rank r's send; on `stream` for device buffers.
   virtual void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) = 0;
+  // fp32 sums over the ranks (the fused lm head's d_hidden), on `stream` for device buffers:
+  // all_reduce_sum: recv[i] = the sum over ranks of their send[i], i < count; reduce_scatter_sum:
+  // send holds one block of `count` floats per rank in rank order, and rank r's recv[i] = the sum
+  // over ranks of their block r's element i. Every rank gets the same bits; recv may be send (in
+  // place; for reduce_scatter_sum, send + rank * count). Where has_sums() is false the caller
+  // gathers every rank's send and sums them in rank order itself (the CPU backend, MPI staging).
+  virtual bool has_sums() const { return false; }
+  virtual void all_reduce_sum(const float* send, float* recv, size_t count, cudaStream_t stream);
+  virtual void reduce_scatter_sum(const float* send, float* recv, size_t count,
+                                  cudaStream_t stream);
   // Whether peer_memory can give memory at all (no collective call, no allocation).
   virtual bool has_peer_memory() const { return false; }
   // Collective (every rank, the same `bytes`): every rank's buffer of at least `bytes`, zeroed

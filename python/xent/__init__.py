@@ -172,10 +172,9 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
 def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_parallel=False,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
                          reduction="mean", vocab_start=-1, vocab_size=-1, grad_mode="fused",
-                         grad_scale=1.0, chunk_rows=0, max_chunk_bytes=1 << 30):
+                         grad_scale=1.0, chunk_rows=0, max_scratch_bytes=0, max_chunk_bytes=None):
     """The fused lm head: the loss of hidden @ weight.T against global targets, without the
-    logits [rows, V] ever existing in full (they are made chunk_rows at a time, or as many rows
-    as max_chunk_bytes holds; docs/linear.md). CPU and CUDA tensors.
+    logits [rows, V] ever existing in full (docs/linear.md). CPU and CUDA tensors.
 
     hidden [..., H] and target [...] (the same on every rank; with sequence_parallel=True this
     rank's own rows, as many on every rank), weight [V_local, H] this rank's shard of the
@@ -184,6 +183,14 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
     differentiable for hidden (summed over the ranks, or this rank's rows with
     sequence_parallel) and weight. Options as in vocab_parallel_cross_entropy.
 
+    max_scratch_bytes bounds every byte of scratch the call takes (on CUDA from PyTorch's caching
+    allocator, given back when the call ends); 0, the default, is the larger of an eighth of the
+    bf16 logits the call replaces and what the lean schedule needs. Within it the plan takes the
+    fast schedule (three GEMMs; a 16-bit d_weight over several chunks of rows needs an fp32
+    accumulator of the whole shard) where it fits with chunks of at least 1024 rows, else the
+    lean one (four GEMMs, no accumulator of d_weight); both are exact. max_chunk_bytes is the
+    former name of max_scratch_bytes.
+
     Every gradient element is rounded once to its dtype for any grad_output: grad_mode "fused"
     computes them in forward for grad_output = grad_scale, and backward recomputes them where
     grad_output is anything else (grad_output applied before the rounding); "deferred" always
@@ -191,6 +198,7 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
     (ColwiseParallel on an nn.Linear lm head): group, vocab_start and vocab_size then come from
     it, hidden and target plain or replicated, and the loss is a DTensor. See docs/torch.md.
     """
+    budget = _budget(max_scratch_bytes, max_chunk_bytes)
     if _dtensor.is_dtensor(weight) or _dtensor.is_dtensor(hidden):
         d = _dtensor.LinearInputs(hidden, weight, target, group, sequence_parallel, vocab_start,
                                   vocab_size)
@@ -199,11 +207,18 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, reduction=reduction, vocab_start=d.vocab_start,
             vocab_size=d.vocab_size, grad_mode=grad_mode, grad_scale=grad_scale,
-            chunk_rows=chunk_rows, max_chunk_bytes=max_chunk_bytes)
+            chunk_rows=chunk_rows, max_scratch_bytes=budget)
         return d.wrap(loss, own_rows=sequence_parallel and reduction == "none")
     return _LINEAR(hidden, weight, target, _name(group), sequence_parallel, ignore_index,
                    label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
-                   grad_mode, grad_scale, chunk_rows, max_chunk_bytes)
+                   grad_mode, grad_scale, chunk_rows, budget)
+
+
+def _budget(max_scratch_bytes, max_chunk_bytes):
+    """max_scratch_bytes, or its former name where only that is given."""
+    if max_chunk_bytes is not None and max_scratch_bytes == 0:
+        return int(max_chunk_bytes)
+    return int(max_scratch_bytes)
 
 
 def check_errors(group=None, device=None):

@@ -45,6 +45,20 @@ class Nccl final : public Communicator {
   void all_gather(const void* send, void* recv, size_t bytes, cudaStream_t stream) override {
     check_nccl(ncclAllGather(send, recv, bytes, ncclChar, comm_, stream), "ncclAllGather");
   }
+  // NCCL's sums reduce each element in one place and broadcast it (ring or tree alike), so every
+  // rank gets the same bits, and a given communicator and size always sum in the same order.
+  bool has_sums() const override {
+    return true;
+  }
+  void all_reduce_sum(const float* send, float* recv, size_t count, cudaStream_t stream) override {
+    check_nccl(ncclAllReduce(send, recv, count, ncclFloat, ncclSum, comm_, stream),
+               "ncclAllReduce");
+  }
+  void reduce_scatter_sum(const float* send, float* recv, size_t count,
+                          cudaStream_t stream) override {
+    check_nccl(ncclReduceScatter(send, recv, count, ncclFloat, ncclSum, comm_, stream),
+               "ncclReduceScatter");
+  }
   bool has_peer_memory() const override {
     return peer_memory_;
   }

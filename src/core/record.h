@@ -89,9 +89,21 @@ struct RowStats {
 XENT_HD RowStats merge_records(const float* gathered, int ranks, const RecordLayout& L,
                                int64_t rows, int64_t row) {
   RowStats g;
-  for (int k = 0; k < ranks; ++k) {  // rank order: the same sum on every rank
+  // lse = M + log sum_k exp(lse_k - M), M the largest: one rounding of the log whatever the number
+  // of records (the fused lm head's lean schedule merges a record per chunk of the vocabulary
+  // and rank), where merging them two at a time would round once per record.
+  float m = kNegInf;
+  for (int k = 0; k < ranks; ++k) {
+    const float v = gathered[(static_cast<int64_t>(k) * L.fields + RecordLayout::kLse) * rows + row];
+    if (v > m || v != v) m = v;  // a NaN record keeps the row NaN
+  }
+  float sum = 0.0f;
+  for (int k = 0; k < ranks; ++k)  // rank order: the same sum on every rank
+    sum += rescale(gathered[(static_cast<int64_t>(k) * L.fields + RecordLayout::kLse) * rows + row],
+                   m);
+  g.lse = m == kNegInf ? kNegInf : m + log_f(sum);
+  for (int k = 0; k < ranks; ++k) {
     const float* rec = gathered + static_cast<int64_t>(k) * L.fields * rows;
-    g.lse = log_add_exp(g.lse, rec[RecordLayout::kLse * rows + row]);
     const float t = rec[RecordLayout::kTarget * rows + row];
     if (t > g.target_z) g.target_z = t;  // only the owner's is above -inf
     if (L.sum_field >= 0) g.sum_z += rec[L.sum_field * rows + row];

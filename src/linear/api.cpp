@@ -1,10 +1,12 @@
 // The fused lm head's public entry points: the checks of the call (check.h), the ranks'
-// agreement and the chunk plan, then the backend's chunk loop.
+// agreement and the plan (plan.h), then the schedule the plan chose, on the group's backend:
+// fast (cpu.cpp, cuda.cpp) or lean (lean.cpp over cpu_steps.cpp or cuda_steps.cpp).
 #include "device_scope.h"
 #include "error.h"
 #include "linear/check.h"
 #include "linear/cpu.h"
 #include "linear/cuda.h"
+#include "linear/lean.h"
 #include "xent/linear.h"
 
 namespace xent {
@@ -17,10 +19,18 @@ void run(const Group& group, linear::Pass pass, MatrixView hidden, MatrixView we
   const linear::Call call = linear::check_call(pass, hidden, weight, targets, opt, lopt, out, lse);
   const DeviceScope on_device(group);
   const linear::Agreed agreed = linear::agree(group, call, opt, lopt);
-  if (group.backend() == Backend::cpu)
+  if (out.plan != nullptr) *out.plan = agreed.plan.info;
+  const bool cpu = group.backend() == Backend::cpu;
+  if (agreed.plan.info.schedule == LinearSchedule::lean) {
+    if (cpu)
+      linear::run_lean_cpu(group, call, agreed.plan, pass, lse, grad_output);
+    else
+      linear::run_lean_cuda(group, call, agreed.plan, pass, lse, grad_output, stream);
+  } else if (cpu) {
     linear::run_cpu(group, call, agreed, pass, lse, grad_output);
-  else
+  } else {
     linear::run_cuda(group, call, agreed, pass, lse, grad_output, stream);
+  }
 }
 
 }  // namespace
@@ -37,6 +47,23 @@ void linear_backward(const Group& group, MatrixView hidden, MatrixView weight, T
                      const LinearOptions& lopt, const LinearOutputs& out, cudaStream_t stream) {
   run(group, linear::Pass::backward, hidden, weight, targets, lse, grad_output, opt, lopt, out,
       stream);
+}
+
+LinearPlan linear_plan(const Group& group, MatrixView hidden, MatrixView weight,
+                       TargetsView targets, const Options& opt, const LinearOptions& lopt,
+                       const LinearOutputs& out) {
+  // As forward checks it, minus the outputs' pointers: a deferred backward's plan where the
+  // outputs ask for gradients that forward does not compute.
+  const bool backward = opt.grad_mode == GradMode::deferred &&
+                        (out.d_hidden.data != nullptr || out.d_weight.data != nullptr);
+  float dummy = 0.0f;
+  LinearOutputs o = out;
+  if (o.loss == nullptr) o.loss = &dummy;
+  const linear::Pass pass = backward ? linear::Pass::backward : linear::Pass::forward;
+  const linear::Call call = linear::check_call(pass, hidden, weight, targets, opt, lopt, o,
+                                               backward ? &dummy : nullptr);
+  const DeviceScope on_device(group);
+  return linear::agree(group, call, opt, lopt).plan.info;
 }
 
 }  // namespace xent

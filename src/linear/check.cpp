@@ -112,6 +112,7 @@ Call check_call(Pass pass, MatrixView hidden, MatrixView weight, TargetsView tar
   c.accumulate_d_weight = lopt.accumulate_d_weight;
   c.gradients = pass == Pass::backward || opt.grad_mode == GradMode::fused;
   c.single_pass = opt.single_pass;
+  c.allocator = lopt.allocator;
   check_outputs(pass, c, opt, lopt, lse);
   return c;
 }
@@ -127,10 +128,13 @@ struct Header {
   int64_t hidden_cols = 0;
   int64_t hidden_dtype = 0;
   int64_t chunk_rows = 0;
-  int64_t max_chunk_bytes = 0;
+  int64_t chunk_cols = 0;
+  int64_t schedule = 0;
+  int64_t budget = 0;    // max_scratch_bytes, else max_chunk_bytes
   int64_t d_hidden = 0;  // computed here: it is summed over the ranks
   int64_t valid_rows = 0;
-  int64_t accumulator = 0;  // bytes of d_weight's fp32 accumulator over several chunks (plan.h)
+  // What the plan reads of each rank beyond the above (plan.h: Shape), combined over the ranks.
+  int64_t d_hidden_f32 = 0, d_weight = 0, d_weight_f32 = 0, sums = 0;
 };
 
 // Fails on every rank alike where a field differs from rank 0's.
@@ -178,13 +182,16 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.hidden_cols = call.hidden.cols;
   mine.hidden_dtype = static_cast<int64_t>(call.hidden.dtype);
   mine.chunk_rows = lopt.chunk_rows;
-  mine.max_chunk_bytes = static_cast<int64_t>(lopt.max_chunk_bytes);
+  mine.chunk_cols = lopt.chunk_cols;
+  mine.schedule = static_cast<int64_t>(lopt.schedule);
+  mine.budget = static_cast<int64_t>(lopt.max_scratch_bytes != 0 ? lopt.max_scratch_bytes
+                                                                  : lopt.max_chunk_bytes);
   mine.d_hidden = call.gradients && call.out.d_hidden.data != nullptr ? 1 : 0;
-  // The CUDA backend accumulates a 16-bit d_weight in fp32 scratch over several chunks.
+  mine.d_hidden_f32 = call.out.d_hidden.dtype == DType::f32 ? 1 : 0;
   const MatrixView& dw = call.out.d_weight;
-  if (group.backend() == Backend::cuda && call.gradients && dw.data != nullptr &&
-      dw.dtype != DType::f32)
-    mine.accumulator = static_cast<int64_t>(sizeof(float)) * p.real_cols * call.hidden.cols;
+  mine.d_weight = call.gradients && dw.data != nullptr ? 1 : 0;
+  mine.d_weight_f32 = dw.dtype == DType::f32 ? 1 : 0;
+  mine.sums = group.comm().has_sums() ? 1 : 0;
 
   const int ranks = group.size();
   std::vector<Header> all(ranks);
@@ -208,7 +215,11 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
               "every rank must pass hidden states of the same dtype", show_dtype);
   expect_same(all, &Header::chunk_rows, "LinearOptions::chunk_rows",
               "every rank must make the same chunks", show_int);
-  expect_same(all, &Header::max_chunk_bytes, "LinearOptions::max_chunk_bytes",
+  expect_same(all, &Header::chunk_cols, "LinearOptions::chunk_cols",
+              "every rank must make the same chunks", show_int);
+  expect_same(all, &Header::schedule, "LinearOptions::schedule",
+              "every rank must take the same schedule", show_int);
+  expect_same(all, &Header::budget, "LinearOptions::max_scratch_bytes",
               "every rank must make the same chunks", show_int);
   expect_same(all, &Header::d_hidden, "out.d_hidden set",
               "d_hidden is summed over the ranks: every rank computes it, or none does", show_bool);
@@ -217,16 +228,28 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   core::check_headers(layouts.data(), ranks, /*check_tiling=*/true);
 
   Agreed a;
-  int64_t widest = 0, accumulator = 0;
+  Shape shape;
+  shape.backend = group.backend();
+  shape.ranks = ranks;
+  shape.sequence_parallel = call.sequence_parallel;
+  shape.rows = p.rows;
+  shape.hidden = call.hidden.cols;
+  shape.inputs = call.hidden.dtype;
+  shape.gradients = call.gradients;
+  shape.d_hidden = mine.d_hidden != 0;
+  shape.d_hidden_f32 = shape.d_weight_f32 = shape.sums = true;
+  shape.accuracy = p.layout.max_field >= 0;
+  shape.fields = p.layout.fields;
   for (const Header& h : all) {
-    widest = std::max(widest, h.layout.width);
-    accumulator = std::max(accumulator, h.accumulator);
+    shape.widest = std::max(shape.widest, h.layout.width);
+    shape.d_hidden_f32 = shape.d_hidden_f32 && h.d_hidden_f32 != 0;
+    shape.d_weight = shape.d_weight || h.d_weight != 0;
+    shape.d_weight_f32 = shape.d_weight_f32 && h.d_weight_f32 != 0;
+    shape.sums = shape.sums && h.sums != 0;
     if (call.sequence_parallel) a.valid_rows += h.valid_rows;
   }
   if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
-  a.plan =
-      plan_chunks(lopt, p.rows, ranks, widest,
-                  chunk_cost(group.backend(), call.hidden.dtype, static_cast<size_t>(accumulator)));
+  a.plan = make_plan(shape, lopt);
   return a;
 }
 

@@ -23,6 +23,7 @@ struct Call {
   bool accumulate_d_weight = false;
   bool gradients = false;    // this pass computes d_hidden and d_weight (those that are set)
   bool single_pass = false;  // Options::single_pass: one rank's forward reads each logit once
+  Allocator* allocator = nullptr;  // LinearOptions::allocator (null: the default)
 };
 
 // Throws xent::Error naming the argument, its value and the rule. `lse`: backward's input.
@@ -34,13 +35,14 @@ struct Agreed {
   // Non-ignored rows of the whole problem (every rank's, with SP); the CPU backend's alone (the
   // CUDA backend counts them on the device).
   int64_t valid_rows = 0;
-  ChunkPlan plan;
+  Plan plan;
 };
 
 // Collective, on host values: exchanges a header of the call and throws on every rank alike where
 // the ranks disagree (rows, hidden's width and dtype, options, chunks, the layout of the shards;
 // on the CPU backend also the targets without sequence parallelism, and a target out of range);
-// then plans the chunks. One rank exchanges nothing; several on CUDA synchronise the device.
+// then plans the call (plan.h) from what they agree on. One rank exchanges nothing; several on
+// CUDA synchronise the device.
 Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt);
 
 }  // namespace xent::linear

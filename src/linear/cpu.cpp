@@ -15,41 +15,21 @@
 #include "core/finalize.h"
 #include "linear/blas.h"
 #include "linear/reduce.h"
+#include "linear/scratch.h"
 
 namespace xent::linear {
 
 namespace {
 
-// The call's buffers, kept in the group's workspace between calls and only grown.
-struct Scratch {
-  std::vector<float> weight;  // [real columns, H]: the weight in fp32 where it is not f32
-  std::vector<float> mine;    // [rows, H]: this chunk's hidden rows of this rank, fp32
-  std::vector<float> hidden;  // [chunk rows, H]: every rank's (sequence parallelism)
-  std::vector<float> logits;  // [chunk rows, V_local]: the logits, then their gradient
-  std::vector<float> pad_hidden, pad_logits;  // a block of the logits GEMM's last rows, padded
-  std::vector<float> partial;                 // [chunk rows, H]: this rank's part of d_hidden
-  std::vector<float> gathered;                // every rank's partial, for the sums
-  std::vector<float> d_hidden;  // [rows, H]: the chunk's d_hidden, summed over the ranks
-  std::vector<float> d_weight;  // [real columns, H]: the accumulator where d_weight is not f32
-  std::vector<float> lse, loss, z_loss, grad_output;  // [chunk rows]
-  std::vector<int64_t> my_targets, targets, argmax;   // [rows], [chunk rows], [chunk rows]
-};
-
-template <typename T>
-T* grow(std::vector<T>& v, int64_t n) {
-  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
-  return v.data();
-}
-
 // Rows [r0, r0 + rows) of v in fp32: v itself where it is f32, else converted into `buf`.
-const float* as_f32(MatrixView v, int64_t r0, int64_t rows, std::vector<float>& buf, int64_t* ld) {
+const float* as_f32(MatrixView v, int64_t r0, int64_t rows, float* buf, int64_t* ld) {
   if (v.dtype == DType::f32) {
     *ld = v.row_stride;
     return static_cast<const float*>(v.data) + r0 * v.row_stride;
   }
   *ld = v.cols;
-  host::to_f32(v, r0, rows, grow(buf, rows * v.cols));
-  return buf.data();
+  host::to_f32(v, r0, rows, buf);
+  return buf;
 }
 
 class Chunks {
@@ -60,40 +40,39 @@ class Chunks {
         plan_(agreed.plan),
         pass_(pass),
         ws_(group.workspace()),
+        scratch_(Backend::cpu, call.allocator, agreed.plan, nullptr),
         H_(call.hidden.cols),
         V_(call.p.cols),
         real_(call.p.real_cols) {
-    if (!ws_.linear) ws_.linear = std::make_shared<Scratch>();
-    s_ = static_cast<Scratch*>(ws_.linear.get());
     // The gradient's scale of the whole problem, known before the first chunk.
-    ws_.prepare(plan_.logits_rows(), call.p.layout.fields, comm_.size(), nullptr);
+    ws_.prepare(1, call.p.layout.fields, comm_.size(), nullptr);
     ws_.scalars[Workspace::kScale] =
         core::gradient_scale(call.p.reduction == Reduction::mean,
                              static_cast<float>(agreed.valid_rows), call.p.grad_scale);
-    w_ = as_f32(call.weight, 0, real_, s_->weight, &ldw_);  // once per call
-    totals_.resize(static_cast<size_t>(plan_.ranks));
+    w_ = as_f32(call.weight, 0, real_, scratch_.get<float>(kWeight), &ldw_);  // once per call
+    totals_.resize(static_cast<size_t>(plan_.ranks_in_chunk));
   }
 
   void run(const float* lse, const float* grad_output) {
     const bool dw = call_.gradients && call_.out.d_weight.data != nullptr;
     if (dw) start_d_weight();
-    for (int64_t i = 0; i < plan_.chunks; ++i) {
+    for (int64_t i = 0; i < plan_.info.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
-      const int64_t m = c * plan_.ranks;
+      const int64_t m = c * plan_.ranks_in_chunk;
       inputs(r0, c);
-      host::sgemm_nt_row_invariant(m, real_, H_, h_, ldh_, w_, ldw_, logits_, V_,
-                                   grow(s_->pad_hidden, host::kRowBlock * H_),
-                                   grow(s_->pad_logits, host::kRowBlock * real_));
+      float* pad = scratch_.get<float>(kPad);
+      host::sgemm_nt_row_invariant(m, real_, H_, h_, ldh_, w_, ldw_, logits_, V_, pad,
+                                   pad + host::kRowBlock * H_);
       core::Problem pc = call_.p;  // the chunk's logits as the logits path sees a shard
       pc.rows = m;
       pc.row_stride = V_;
       const LogitsView lv{logits_, DType::f32, m, V_, V_};
       const float* lse_c =
-          pass_ == Pass::forward ? finalize(pc, lv, r0, c) : mine_to_chunk(lse, r0, c, s_->lse);
+          pass_ == Pass::forward ? finalize(pc, lv, r0, c) : mine_to_chunk(lse, r0, c, rows(0));
       if (!call_.gradients) continue;
       const float* go = grad_output;
       if (go != nullptr && call_.p.reduction == Reduction::none)
-        go = mine_to_chunk(go, r0, c, s_->grad_output);
+        go = mine_to_chunk(go, r0, c, rows(3));
       cpu::gradient(pc, lv, lv, tv_, lse_c, ws_.scalars, go);
       if (call_.out.d_hidden.data != nullptr) d_hidden(m, r0, c);
       if (dw) host::sgemm(true, false, real_, H_, m, logits_, V_, h_, ldh_, 1.0f, acc_, ldacc_);
@@ -105,52 +84,56 @@ class Chunks {
  private:
   // The chunk's hidden rows in fp32 (h_, ldh_), its targets (tv_) and its logits buffer.
   void inputs(int64_t r0, int64_t c) {
-    const int64_t m = c * plan_.ranks;
-    logits_ = grow(s_->logits, m * V_);
+    const int64_t m = c * plan_.ranks_in_chunk;
+    logits_ = scratch_.get<float>(kLogits);
     const TargetsView& t = call_.targets;
     if (!call_.sequence_parallel) {
-      h_ = as_f32(call_.hidden, r0, c, s_->mine, &ldh_);
+      h_ = as_f32(call_.hidden, r0, c, scratch_.get<float>(kMine), &ldh_);
       const size_t tsize = core::target_size(t.type);
       tv_ = TargetsView{static_cast<const char*>(t.data) + r0 * tsize, t.type, c};
       return;
     }
-    host::to_f32(call_.hidden, r0, c, grow(s_->mine, c * H_));
-    comm_.all_gather(s_->mine.data(), grow(s_->hidden, m * H_), sizeof(float) * c * H_, nullptr);
-    h_ = s_->hidden.data();
+    float* rows = scratch_.get<float>(kMine);
+    host::to_f32(call_.hidden, r0, c, rows);
+    h_ = scratch_.get<float>(kHidden);
+    comm_.all_gather(rows, const_cast<float*>(h_), sizeof(float) * c * H_, nullptr);
     ldh_ = H_;
-    int64_t* mine = grow(s_->my_targets, c);
+    int64_t* mine = scratch_.get<int64_t>(kTargets);
+    int64_t* all = mine + plan_.info.chunk_rows;
     for (int64_t i = 0; i < c; ++i) mine[i] = core::load_target(t.data, t.type, r0 + i);
-    comm_.all_gather(mine, grow(s_->targets, m), sizeof(int64_t) * c, nullptr);
-    tv_ = TargetsView{s_->targets.data(), IndexType::i64, m};
+    comm_.all_gather(mine, all, sizeof(int64_t) * c, nullptr);
+    tv_ = TargetsView{all, IndexType::i64, m};
   }
 
   // This rank's c floats from row r0 for every row of the chunk: gathered from every rank with
   // sequence parallelism, else the rows themselves.
-  const float* mine_to_chunk(const float* rows, int64_t r0, int64_t c, std::vector<float>& buf) {
+  const float* mine_to_chunk(const float* rows, int64_t r0, int64_t c, float* all) {
     if (!call_.sequence_parallel) return rows + r0;
-    float* all = grow(buf, c * plan_.ranks);
     comm_.all_gather(rows + r0, all, sizeof(float) * c, nullptr);
     return all;
   }
+
+  // Per-row scratch k of the chunk's rows: 0 lse, 1 loss, 2 z-loss, 3 grad_output.
+  float* rows(int k) const { return scratch_.get<float>(kRows) + k * plan_.logits_rows(); }
 
   // Statistics, exchange and finalize of the chunk; this rank's rows of the per-row outputs
   // copied out. Returns the chunk's lse.
   const float* finalize(const core::Problem& pc, LogitsView lv, int64_t r0, int64_t c) {
     const int ranks = comm_.size();
-    ws_.prepare(pc.rows, pc.layout.fields, ranks, nullptr);  // within the first's size
-    cpu::stats(pc, lv, tv_, ws_.send);
-    if (ranks > 1)
-      comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * pc.rows, nullptr);
+    float* send = scratch_.get<float>(kSend);
+    float* recv = ranks > 1 ? scratch_.get<float>(kRecv) : send;
+    cpu::stats(pc, lv, tv_, send);
+    if (ranks > 1) comm_.all_gather(send, recv, pc.layout.bytes_per_row() * pc.rows, nullptr);
     const LinearOutputs& out = call_.out;
     Outputs o;
-    o.loss = grow(s_->loss, pc.rows);
-    o.z_loss = out.z_loss != nullptr ? grow(s_->z_loss, pc.rows) : nullptr;
-    o.argmax = out.argmax != nullptr ? grow(s_->argmax, pc.rows) : nullptr;
-    float* lse = grow(s_->lse, pc.rows);
+    o.loss = rows(1);
+    o.z_loss = out.z_loss != nullptr ? rows(2) : nullptr;
+    o.argmax = out.argmax != nullptr ? scratch_.get<int64_t>(kArgmax) : nullptr;
+    float* lse = rows(0);
     // Each rank's rows into its own totals, in order: the reduced loss is then the same for any
     // chunk size (reduce_loss).
-    for (int64_t b = 0; b < plan_.ranks; ++b)
-      cpu::finalize_rows(pc, tv_, ws_.recv, ranks, b * c, (b + 1) * c, o, lse, totals_[b]);
+    for (int64_t b = 0; b < plan_.ranks_in_chunk; ++b)
+      cpu::finalize_rows(pc, tv_, recv, ranks, b * c, (b + 1) * c, o, lse, totals_[b]);
     const int64_t own = call_.sequence_parallel ? comm_.rank() * c : 0;
     const auto copy = [&](const auto* from, auto* to) {
       if (to != nullptr) std::copy(from + own, from + own + c, to + r0);
@@ -165,10 +148,10 @@ class Chunks {
   // The chunk's d_hidden: this rank's partial, summed over the ranks (all of the chunk's rows,
   // or with sequence parallelism this rank's), rounded once into out.d_hidden.
   void d_hidden(int64_t m, int64_t r0, int64_t c) {
-    float* partial = grow(s_->partial, m * H_);
+    float* partial = scratch_.get<float>(kPartial);
     host::sgemm(false, false, m, H_, real_, logits_, V_, w_, ldw_, 0.0f, partial, H_);
-    float* gathered = grow(s_->gathered, comm_.size() * m * H_);
-    float* sum = grow(s_->d_hidden, c * H_);
+    float* gathered = scratch_.get<float>(kGathered);
+    float* sum = scratch_.get<float>(kDHidden);
     const float* rows = call_.sequence_parallel
                             ? reduce_scatter_sum(comm_, partial, c * H_, gathered, sum)
                             : all_reduce_sum(comm_, partial, m * H_, gathered, sum);
@@ -185,7 +168,7 @@ class Chunks {
       if (!call_.accumulate_d_weight) host::zero_rows(dw, 0, dw.rows);
       return;
     }
-    acc_ = grow(s_->d_weight, real_ * H_);
+    acc_ = scratch_.get<float>(kDWeight);
     ldacc_ = H_;
     std::fill(acc_, acc_ + real_ * H_, 0.0f);
   }
@@ -213,11 +196,11 @@ class Chunks {
 
   Communicator& comm_;
   const Call& call_;
-  const ChunkPlan& plan_;
+  const Plan& plan_;
   const Pass pass_;
   Workspace& ws_;
+  Scratch scratch_;
   const int64_t H_, V_, real_;
-  Scratch* s_ = nullptr;
   const float* w_ = nullptr;
   int64_t ldw_ = 0;
   const float* h_ = nullptr;

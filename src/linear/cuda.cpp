@@ -21,62 +21,37 @@
 #include "core/finalize.h"
 #include "error.h"
 #include "linear/gemm.h"
+#include "linear/scratch.h"
 
 namespace xent::linear {
 
 namespace {
 
-// Device memory grown on demand and kept between calls; growth waits for the stream (the old
-// buffer may be in use) and is refused during graph capture.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  template <typename T>
-  T* get(int64_t count, cudaStream_t stream) {
-    const size_t bytes = sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
-    if (bytes > bytes_) {
-      cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
-      check_cuda(cudaStreamIsCapturing(stream, &s), "cudaStreamIsCapturing");
-      if (s != cudaStreamCaptureStatusNone)
-        fail("linear_forward/linear_backward: the fused lm head's buffers must grow (" +
-             std::to_string(bytes) +
-             " bytes), which is not allowed while the stream is captured "
-             "into a CUDA graph: run the same call once before capturing");
-      check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize (buffer growth)");
-      if (p_) check_cuda(cudaFree(p_), "cudaFree");
-      p_ = nullptr;
-      bytes_ = 0;
-      check_cuda(cudaMalloc(&p_, bytes), "cudaMalloc (the fused lm head's buffers)");
-      bytes_ = bytes;
-    }
-    return static_cast<T*>(p_);
-  }
+}  // namespace
 
- private:
-  void* p_ = nullptr;
-  size_t bytes_ = 0;
-};
+CudaState::CudaState() {
+  check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
+  for (int i = 0; i < 2; ++i) {
+    check_cuda(cudaEventCreateWithFlags(&ready[i], cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming), "cudaEventCreate");
+  }
+}
 
-struct Scratch {
-  device::Gemm gemm;
-  DeviceBuffer logits;    // [chunk rows, V_local] fp32: the logits (then, f32 inputs: gradient)
-  DeviceBuffer grad;      // [chunk rows, V_local]: the gradient in the inputs' 16-bit dtype
-  DeviceBuffer hidden;    // [chunk rows, H]: every rank's rows (sequence parallelism)
-  DeviceBuffer mine;      // [rows, H]: this rank's rows, contiguous, to send
-  DeviceBuffer partial;   // [chunk rows, H] fp32: this rank's part of d_hidden
-  DeviceBuffer gathered;  // [ranks, chunk rows, H] fp32: every rank's partial
-  DeviceBuffer d_weight;  // [real columns, H] fp32: the accumulator where d_weight is not f32
-  DeviceBuffer targets;   // every rank's targets, rank order, then chunk order (SP)
-  DeviceBuffer row_loss;  // [all rows] chunk order
-  DeviceBuffer argmax;    // [all rows] chunk order
-  DeviceBuffer per_row;   // [chunk rows] x 4: lse, z-loss, lse and grad_output gathered
-  DeviceBuffer scalars;   // [Workspace::kScalars]: the gradient's scale of the whole problem
-};
+CudaState::~CudaState() {
+  for (int i = 0; i < 2; ++i) {
+    if (ready[i]) cudaEventDestroy(ready[i]);
+    if (done[i]) cudaEventDestroy(done[i]);
+  }
+  if (side) cudaStreamDestroy(side);
+}
+
+CudaState& cuda_state(const Group& group) {
+  Workspace& ws = group.workspace();
+  if (!ws.linear) ws.linear = std::make_shared<CudaState>();
+  return *static_cast<CudaState*>(ws.linear.get());
+}
+
+namespace {
 
 class Chunks {
  public:
@@ -86,25 +61,27 @@ class Chunks {
         plan_(agreed.plan),
         pass_(pass),
         ws_(group.workspace()),
+        state_(cuda_state(group)),
         stream_(stream),
+        scratch_(Backend::cuda, call.allocator, agreed.plan, stream),
         H_(call.hidden.cols),
         V_(call.p.cols),
         real_(call.p.real_cols),
         ranks_(comm_.size()),
-        all_rows_(call.p.rows * plan_.ranks) {
-    if (!ws_.linear) ws_.linear = std::make_shared<Scratch>();
-    s_ = static_cast<Scratch*>(ws_.linear.get());
-    ws_.prepare(std::max<int64_t>(plan_.logits_rows(), 1), call.p.layout.fields, ranks_, stream_);
-    gscalars_ = s_->scalars.get<float>(Workspace::kScalars, stream_);
+        all_rows_(call.p.rows * plan_.ranks_in_chunk) {
+    ws_.prepare(1, call.p.layout.fields, ranks_, stream_);  // scalars, partials, error
+    state_.gemm.set_workspace(scratch_.get<char>(kGemmWorkspace));
+    // The whole problem's scalars, beside those of finalize (a chunk's, Reduction::none).
+    gscalars_ = ws_.scalars + Workspace::kScalars / 2;
+    static_assert(Workspace::kScalars / 2 > Workspace::kValid, "two sets of scalars");
     const int64_t m = plan_.logits_rows();
     gdtype_ = call_.hidden.dtype;  // the gradient's, as the GEMMs that consume it take it
     // f32 inputs: the logits are made and turned into their gradient in place, a whole chunk at
     // once. 16-bit: the chunk's gradient [m, V] in 16 bits, its fp32 logits a sub-chunk at a time.
     sub_rows_ = plan_.sub_rows > 0 ? plan_.sub_rows : std::max<int64_t>(m, 1);
-    grad_ = s_->grad.get<char>(m * V_ * static_cast<int64_t>(dtype_size(gdtype_)), stream_);
-    logits_ = gdtype_ == DType::f32 ? static_cast<float*>(grad_)
-                                    : s_->logits.get<float>(std::min(m, sub_rows_) * V_, stream_);
-    per_row_ = s_->per_row.get<float>(4 * std::max<int64_t>(m, 1), stream_);
+    logits_ = scratch_.get<float>(kLogits);
+    grad_ = gdtype_ == DType::f32 ? static_cast<void*>(logits_) : scratch_.get<char>(kGrad);
+    per_row_ = scratch_.get<float>(kRows) + all_rows_;
     targets_ = all_targets();
     // The gradient's scale of the whole problem, before the first chunk.
     core::Problem all = call_.p;
@@ -117,11 +94,10 @@ class Chunks {
     const bool reduced = call_.p.reduction != Reduction::none;
     const bool accuracy = call_.out.accuracy != nullptr || call_.out.argmax != nullptr;
     float* row_loss = nullptr;
-    if (pass_ == Pass::forward && (reduced || sp()))
-      row_loss = s_->row_loss.get<float>(all_rows_, stream_);
+    if (pass_ == Pass::forward && (reduced || sp())) row_loss = scratch_.get<float>(kRows);
     int64_t* argmax = nullptr;
     if (pass_ == Pass::forward && accuracy && (sp() || call_.out.argmax == nullptr))
-      argmax = s_->argmax.get<int64_t>(all_rows_, stream_);
+      argmax = scratch_.get<int64_t>(kArgmax);
     if (dw) start_d_weight();
     // One rank's forward: statistics and gradient in one pass over each sub-chunk's logits where
     // the rows fit on chip (as the logits path's single pass), finalize after it. The fit depends
@@ -129,9 +105,9 @@ class Chunks {
     const bool single = pass_ == Pass::forward && call_.gradients && ranks_ == 1 &&
                         call_.single_pass && cuda::single_pass_fits(call_.p, DType::f32);
     const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
-    for (int64_t i = 0; i < plan_.chunks; ++i) {
+    for (int64_t i = 0; i < plan_.info.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
-      const int64_t m = c * plan_.ranks, at = r0 * plan_.ranks;  // the chunk's rows in chunk order
+      const int64_t m = c * plan_.ranks_in_chunk, at = r0 * plan_.ranks_in_chunk;  // the chunk's rows in chunk order
       const device::Operand h = inputs(r0, c);
       const float* lse_c = nullptr;
       const float* go = grad_output;
@@ -143,7 +119,7 @@ class Chunks {
         const device::Operand hs{static_cast<const char*>(h.data) +
                                      s0 * h.ld * static_cast<int64_t>(dtype_size(h.dtype)),
                                  h.dtype, h.ld};
-        s_->gemm.run(false, true, k, real_, H_, hs, w, 0.0f, logits_, DType::f32, V_, stream_);
+        state_.gemm.run(false, true, k, real_, H_, hs, w, 0.0f, logits_, DType::f32, V_, stream_);
         core::Problem pc = call_.p;  // the sub-chunk's logits as the logits path sees a shard
         pc.rows = k;
         pc.row_stride = V_;
@@ -164,13 +140,14 @@ class Chunks {
       if (pass_ == Pass::forward && sp()) own_rows(r0, c, at, row_loss, argmax);
       if (!call_.gradients) continue;
       const device::Operand g{grad_, gdtype_, V_};
-      if (call_.out.d_hidden.data != nullptr) d_hidden(g, w, m, r0, c);
+      if (call_.out.d_hidden.data != nullptr) d_hidden(g, w, m, r0, c, i);
       if (dw) {
         const bool first = i == 0 && !call_.accumulate_d_weight;
-        s_->gemm.run(true, false, real_, H_, m, g, h, first ? 0.0f : 1.0f, acc_, acc_dtype_, ldacc_,
-                     stream_);
+        state_.gemm.run(true, false, real_, H_, m, g, h, first ? 0.0f : 1.0f, acc_, acc_dtype_,
+                        ldacc_, stream_);
       }
     }
+    join_sums();
     if (pass_ == Pass::forward) reduce_loss(row_loss, argmax);
     if (dw) finish_d_weight();
   }
@@ -188,15 +165,15 @@ class Chunks {
       return t;
     }
     const int64_t n = call_.p.rows, ts = tsize();
-    char* buf = s_->targets.get<char>(2 * all_rows_ * ts, stream_);
+    char* buf = scratch_.get<char>(kTargets);
     comm_.all_gather(t.data, buf, static_cast<size_t>(n * ts), stream_);
     targets_all_ = TargetsView{buf, t.type, all_rows_};
     char* chunked = buf + all_rows_ * ts;
-    for (int64_t i = 0; i < plan_.chunks; ++i) {
+    for (int64_t i = 0; i < plan_.info.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, n);
       // Rank b's rows [r0, r0 + c) to chunk position r0 * ranks + b * c.
-      check_cuda(cudaMemcpy2DAsync(chunked + r0 * plan_.ranks * ts, c * ts, buf + r0 * ts, n * ts,
-                                   c * ts, plan_.ranks, cudaMemcpyDeviceToDevice, stream_),
+      check_cuda(cudaMemcpy2DAsync(chunked + r0 * plan_.ranks_in_chunk * ts, c * ts, buf + r0 * ts, n * ts,
+                                   c * ts, plan_.ranks_in_chunk, cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpy2DAsync (targets)");
     }
     return TargetsView{chunked, t.type, all_rows_};
@@ -211,13 +188,13 @@ class Chunks {
     if (!sp()) return device::Operand{rows, x.dtype, x.row_stride};
     const void* send = rows;
     if (x.row_stride != H_) {
-      void* mine = s_->mine.get<char>(plan_.rows * H_ * static_cast<int64_t>(es), stream_);
+      void* mine = scratch_.get<char>(kMine);
       check_cuda(cudaMemcpy2DAsync(mine, H_ * es, rows, x.row_stride * es, H_ * es, c,
                                    cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpy2DAsync (hidden rows)");
       send = mine;
     }
-    char* all = s_->hidden.get<char>(plan_.logits_rows() * H_ * static_cast<int64_t>(es), stream_);
+    char* all = scratch_.get<char>(kHidden);
     comm_.all_gather(send, all, static_cast<size_t>(c * H_) * es, stream_);
     return device::Operand{all, x.dtype, H_};
   }
@@ -239,12 +216,13 @@ class Chunks {
   const float* finalize(const core::Problem& pc, LogitsView lv, TargetsView tv, int64_t row,
                         int64_t at, int64_t s0, int64_t m, float* row_loss, int64_t* argmax,
                         const LogitsView* single) {
+    float* send = scratch_.get<float>(kSend);
+    float* recv = ranks_ > 1 ? scratch_.get<float>(kRecv) : send;
     if (single != nullptr)
-      cuda::single_pass(pc, lv, *single, tv, ws_.send, ws_.error, gscalars_, stream_);
+      cuda::single_pass(pc, lv, *single, tv, send, ws_.error, gscalars_, stream_);
     else
-      cuda::stats(pc, lv, tv, ws_.send, ws_.error, stream_);
-    if (ranks_ > 1)
-      comm_.all_gather(ws_.send, ws_.recv, pc.layout.bytes_per_row() * pc.rows, stream_);
+      cuda::stats(pc, lv, tv, send, ws_.error, stream_);
+    if (ranks_ > 1) comm_.all_gather(send, recv, pc.layout.bytes_per_row() * pc.rows, stream_);
     const LinearOutputs& out = call_.out;
     core::Problem pn = pc;
     pn.reduction = Reduction::none;
@@ -253,7 +231,7 @@ class Chunks {
     o.loss = row_loss != nullptr ? row_loss + at : out.loss + row;
     o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? per_row_ + m + s0 : out.z_loss + row;
     o.argmax = argmax != nullptr ? argmax + at : out.argmax != nullptr ? out.argmax + row : nullptr;
-    cuda::finalize(pn, tv, ws_.recv, ranks_, o, lse, ws_.scalars, ws_.partials, stream_);
+    cuda::finalize(pn, tv, recv, ranks_, o, lse, ws_.scalars, ws_.partials, stream_);
     return lse;
   }
 
@@ -261,7 +239,7 @@ class Chunks {
   // order) of the per-row outputs, copied out to its rows [r0, r0 + c).
   void own_rows(int64_t r0, int64_t c, int64_t at, const float* row_loss, const int64_t* argmax) {
     const LinearOutputs& out = call_.out;
-    const int64_t own = comm_.rank() * c, m = c * plan_.ranks;
+    const int64_t own = comm_.rank() * c, m = c * plan_.ranks_in_chunk;
     copy(per_row_ + own, out.lse, r0, c);
     if (call_.p.reduction == Reduction::none) copy(row_loss + at + own, out.loss, r0, c);
     if (out.z_loss != nullptr) copy(per_row_ + m + own, out.z_loss, r0, c);
@@ -277,21 +255,49 @@ class Chunks {
   }
 
   // The chunk's d_hidden. One rank: the GEMM writes it, rounded once. Several: this rank's fp32
-  // partial, every rank's gathered and summed in rank order (the same bits on every rank), then
-  // rounded once: all of the chunk's rows, or with sequence parallelism this rank's.
-  void d_hidden(device::Operand g, device::Operand w, int64_t m, int64_t r0, int64_t c) {
+  // partial, summed over the ranks (all of the chunk's rows, or with sequence parallelism this
+  // rank's: reduce-scatter), then rounded once. Where the communicator sums, the sum and its
+  // store run on the side stream while the next chunk's GEMMs run on the call's: two partials,
+  // alternate chunks, each reused only once the side stream is done with it (events). Else every
+  // rank's partial is gathered and summed in rank order on the call's stream.
+  void d_hidden(device::Operand g, device::Operand w, int64_t m, int64_t r0, int64_t c, int64_t i) {
     const MatrixView& dh = call_.out.d_hidden;
     if (ranks_ == 1) {
       char* rows = static_cast<char*>(dh.data) + r0 * dh.row_stride * dtype_size(dh.dtype);
-      s_->gemm.run(false, false, m, H_, real_, g, w, 0.0f, rows, dh.dtype, dh.row_stride, stream_);
+      state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, rows, dh.dtype, dh.row_stride,
+                      stream_);
       return;
     }
-    float* partial = s_->partial.get<float>(plan_.logits_rows() * H_, stream_);
-    s_->gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
-    float* all = s_->gathered.get<float>(int64_t(ranks_) * plan_.logits_rows() * H_, stream_);
-    comm_.all_gather(partial, all, sizeof(float) * static_cast<size_t>(m * H_), stream_);
     const int64_t own = sp() ? comm_.rank() * c * H_ : 0;
-    device::store_sum(all + own, ranks_, m * H_, H_, dh, r0, c, stream_);
+    const bool sums = comm_.has_sums();
+    const int k = static_cast<int>(i % 2);
+    float* partial = scratch_.get<float>(kPartial) + (sums ? k : 0) * plan_.logits_rows() * H_;
+    if (!sums) {
+      state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
+      float* all = scratch_.get<float>(kGathered);
+      comm_.all_gather(partial, all, sizeof(float) * static_cast<size_t>(m * H_), stream_);
+      device::store_sum(all + own, ranks_, m * H_, H_, dh, r0, c, stream_);
+      return;
+    }
+    if (i >= 2) check_cuda(cudaStreamWaitEvent(stream_, state_.done[k], 0), "cudaStreamWaitEvent");
+    state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
+    check_cuda(cudaEventRecord(state_.ready[k], stream_), "cudaEventRecord");
+    cudaStream_t side = state_.side;
+    check_cuda(cudaStreamWaitEvent(side, state_.ready[k], 0), "cudaStreamWaitEvent");
+    const size_t n = static_cast<size_t>(c * H_);
+    if (sp())
+      comm_.reduce_scatter_sum(partial, partial + own, n, side);
+    else
+      comm_.all_reduce_sum(partial, partial, n, side);
+    device::store_sum(partial + own, 1, 0, H_, dh, r0, c, side);
+    check_cuda(cudaEventRecord(state_.done[k], side), "cudaEventRecord");
+    sums_ = std::min<int64_t>(sums_ + 1, 2);
+  }
+
+  // The call's stream waits for the side stream's sums before it goes on.
+  void join_sums() {
+    for (int k = 0; k < sums_; ++k)
+      check_cuda(cudaStreamWaitEvent(stream_, state_.done[k], 0), "cudaStreamWaitEvent");
   }
 
   // The fp32 accumulator of d_weight's real rows: d_weight itself where it is f32; else, with one
@@ -302,14 +308,14 @@ class Chunks {
     acc_ = dw.data;
     acc_dtype_ = dw.dtype;
     ldacc_ = dw.row_stride;
-    if (dw.dtype == DType::f32 || plan_.chunks <= 1) return;
-    acc_ = s_->d_weight.get<float>(real_ * H_, stream_);
+    if (dw.dtype == DType::f32 || plan_.info.chunks <= 1) return;
+    acc_ = scratch_.get<float>(kDWeight);
     acc_dtype_ = DType::f32;
     ldacc_ = H_;
   }
   void finish_d_weight() {
     const MatrixView& dw = call_.out.d_weight;
-    if (plan_.chunks == 0 && !call_.accumulate_d_weight) zero_rows(0, real_);
+    if (plan_.info.chunks == 0 && !call_.accumulate_d_weight) zero_rows(0, real_);
     if (acc_ != dw.data)
       device::store_sum(static_cast<const float*>(acc_), 1, 0, H_, dw, 0, real_, stream_);
     if (!call_.accumulate_d_weight) zero_rows(real_, dw.rows - real_);  // padding: no gradient
@@ -341,14 +347,15 @@ class Chunks {
 
   Communicator& comm_;
   const Call& call_;
-  const ChunkPlan& plan_;
+  const Plan& plan_;
   const Pass pass_;
   Workspace& ws_;
+  CudaState& state_;
   cudaStream_t stream_;
+  Scratch scratch_;
   const int64_t H_, V_, real_;
   const int ranks_;
   const int64_t all_rows_;
-  Scratch* s_ = nullptr;
   float* gscalars_ = nullptr;
   float* logits_ = nullptr;
   void* grad_ = nullptr;
@@ -359,6 +366,7 @@ class Chunks {
   void* acc_ = nullptr;
   DType acc_dtype_ = DType::f32;
   int64_t ldacc_ = 0;
+  int64_t sums_ = 0;  // events on the side stream to wait for (at most 2)
 };
 
 }  // namespace

@@ -1,15 +1,31 @@
-// The CUDA backend of the fused lm head: the chunk loop over device memory (docs/linear.md), and
-// its one kernel of its own.
+// The CUDA backend of the fused lm head: the fast schedule's chunk loop over device memory
+// (cuda.cpp; the lean schedule's steps are cuda_steps.cpp), what a group keeps between calls,
+// and the backend's one kernel of its own.
 #pragma once
 
 #include "linear/check.h"
+#include "linear/gemm.h"
 
 namespace xent::linear {
 
-// As run_cpu, stream-ordered: no host synchronisation except where a buffer grows (the first call
-// of a shape), every step on `stream`.
+// As run_cpu, stream-ordered: no host synchronisation, every step on `stream` (d_hidden's sums
+// over the ranks on a side stream ordered by events, joined before the call returns).
 void run_cuda(const Group& group, const Call& call, const Agreed& agreed, Pass pass,
               const float* lse, const float* grad_output, cudaStream_t stream);
+
+// What a group keeps between calls on CUDA (Workspace::linear): host-side handles only, no
+// device memory (the scratch is the call's): cuBLASLt's handle and the algorithms it chose, and
+// the side stream and events on which the sums of d_hidden over the ranks overlap the GEMMs.
+struct CudaState {
+  device::Gemm gemm;
+  cudaStream_t side = nullptr;
+  cudaEvent_t ready[2] = {}, done[2] = {};
+  CudaState();
+  ~CudaState();
+  CudaState(const CudaState&) = delete;
+  CudaState& operator=(const CudaState&) = delete;
+};
+CudaState& cuda_state(const Group& group);
 
 namespace device {
 // dst's rows [r0, r0 + rows) = the sum over q < ranks, in order, of src[q * rank_stride + i * ld

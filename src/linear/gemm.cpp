@@ -3,13 +3,13 @@
 #include <string>
 
 #include "error.h"
+#include "linear/plan.h"
 
 namespace xent::linear::device {
 
 namespace {
 
-// cuBLASLt's recommendation for Hopper: 32 MiB (less on older GPUs is still enough).
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+constexpr size_t kWorkspaceBytes = kGemmWorkspaceBytes;
 
 void check_lt(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS)
@@ -51,11 +51,9 @@ struct Descriptors {
 
 Gemm::Gemm() {
   check_lt(cublasLtCreate(&handle_), "cublasLtCreate");
-  check_cuda(cudaMalloc(&workspace_, kWorkspaceBytes), "cudaMalloc (cuBLASLt workspace)");
 }
 
 Gemm::~Gemm() {
-  if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(handle_);
 }
 

@@ -33,6 +33,8 @@ class Gemm {
   // leading dimension ldc. A and B have one dtype. beta 0: C is not read.
   void run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Operand a, Operand b,
            float beta, void* c, DType c_dtype, int64_t ldc, cudaStream_t stream);
+  // The workspace of the calls that follow (linear::kGemmWorkspaceBytes of the call's scratch).
+  void set_workspace(void* workspace) { workspace_ = workspace; }
 
  private:
   // What the algorithm depends on: the column-major problem, types, beta 0 or not, alignments.

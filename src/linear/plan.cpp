@@ -5,92 +5,294 @@
 
 #include "error.h"
 
+namespace xent {
+
+const char* to_string(LinearSchedule s) {
+  switch (s) {
+    case LinearSchedule::fast: return "fast";
+    case LinearSchedule::lean: return "lean";
+    default: return "automatic";
+  }
+}
+
+}  // namespace xent
+
 namespace xent::linear {
-
-void check_options(const LinearOptions& lopt) {
-  if (lopt.chunk_rows < 0)
-    fail("LinearOptions::chunk_rows = " + std::to_string(lopt.chunk_rows) +
-         ": must be >= 1, or 0 (rows from max_chunk_bytes)");
-}
-
-ChunkCost chunk_cost(Backend backend, DType inputs, size_t accumulator) {
-  if (backend == Backend::cpu) return ChunkCost{2 * sizeof(float), 0, 0};
-  if (inputs == DType::f32) return ChunkCost{sizeof(float), 0, 0};
-  return ChunkCost{dtype_size(inputs), sizeof(float), accumulator};
-}
 
 namespace {
 
-// The most rows of `row_bytes` each in `bytes`, at most `most`, in whole 128-row tiles where
-// there are more.
-int64_t rows_in(size_t bytes, size_t row_bytes, int64_t most) {
-  int64_t r = std::min<int64_t>(most, static_cast<int64_t>(bytes / row_bytes));
-  if (r > 128) r -= r % 128;
-  return r;
+using std::to_string;
+
+size_t u(int64_t v) {
+  return static_cast<size_t>(std::max<int64_t>(v, 0));
 }
 
-// Where max_chunk_bytes holds no row: the bytes one row takes, the chunk's (`chunk`: 16-bit
-// gradient or fp32 logits, times the ranks with sequence parallelism) and a sub-chunk's. Built
-// only on failure: the plan runs on every call.
-[[noreturn]] void no_row(const LinearOptions& lopt, ChunkCost cost, int64_t widest, int64_t ranks,
-                         bool chunk) {
-  const std::string w = std::to_string(widest);
-  const size_t per_row =
-      static_cast<size_t>(widest) *
-      ((chunk ? cost.per_logit * static_cast<size_t>(ranks) : 0) + cost.sub_logit);
-  std::string what;
-  if (chunk)
-    what = std::to_string(cost.per_logit) + " x " + w + " columns of the widest shard" +
-           (ranks > 1 ? " x " + std::to_string(ranks) + " ranks" : std::string());
-  if (cost.sub_logit > 0)
-    what += (chunk ? " + " : "") + std::to_string(cost.sub_logit) + " x " + w +
-            " for the fp32 logits of a sub-chunk";
-  fail("LinearOptions::max_chunk_bytes = " + std::to_string(lopt.max_chunk_bytes) +
-       ": must hold at least one row of logits and their gradient (" + std::to_string(per_row) +
-       " bytes on this backend: " + what + "), or set chunk_rows");
+// Offsets of the buffers, each aligned to 256 bytes, and the total.
+void place(Plan& p) {
+  size_t at = 0;
+  for (int b = 0; b < kBufCount; ++b) {
+    p.offset[b] = at;
+    at += (p.bytes[b] + 255) / 256 * 256;
+  }
+  p.total = at;
+}
+
+// fast: chunks of c rows of this rank's hidden; sub: rows of fp32 logits at a time (16-bit on
+// CUDA; 0 elsewhere).
+Plan fast_layout(const Shape& s, int64_t c, int64_t sub) {
+  Plan p;
+  p.info.schedule = LinearSchedule::fast;
+  p.ranks_in_chunk = s.sequence_parallel ? s.ranks : 1;
+  p.info.chunk_rows = c;
+  p.info.chunk_cols = s.widest;
+  p.info.chunks = c > 0 ? (s.rows + c - 1) / c : 0;
+  const int64_t m = c * p.ranks_in_chunk, M = s.rows_all(), V = s.widest, H = s.hidden;
+  const size_t es = dtype_size(s.inputs), G = u(s.ranks);
+  const bool f32 = s.inputs == DType::f32, dh = s.gradients && s.d_hidden;
+  const bool acc = s.gradients && s.d_weight && !s.d_weight_f32 && p.info.chunks > 1;
+  auto& b = p.bytes;
+  b[kSend] = u(s.fields) * u(m) * 4;
+  b[kRecv] = s.ranks > 1 ? G * b[kSend] : 0;
+  b[kArgmax] = s.accuracy ? u(M) * 8 : 0;
+  if (s.backend == Backend::cuda) {
+    p.sub_rows = f32 ? 0 : std::max<int64_t>(1, std::min(sub, m));
+    b[kGemmWorkspace] = kGemmWorkspaceBytes;
+    b[kLogits] = u(f32 ? m : p.sub_rows) * u(V) * 4;
+    b[kGrad] = s.gradients && !f32 ? u(m) * u(V) * es : 0;
+    b[kHidden] = s.sequence_parallel ? u(m) * u(H) * es : 0;
+    b[kMine] = s.sequence_parallel ? u(c) * u(H) * es : 0;
+    b[kPartial] = dh && s.ranks > 1 ? (s.sums ? 2 : 1) * u(m) * u(H) * 4 : 0;
+    b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(m) * u(H) * 4 : 0;
+    b[kDWeight] = acc ? u(V) * u(H) * 4 : 0;
+    b[kRows] = (4 * u(m) + u(M)) * 4;
+    b[kTargets] = s.sequence_parallel ? 2 * u(M) * 8 : 0;
+  } else {
+    b[kLogits] = u(m) * u(V) * 4;
+    b[kPad] = 128 * (u(H) + u(V)) * 4;
+    b[kWeight] = f32 ? 0 : u(V) * u(H) * 4;
+    b[kMine] = s.sequence_parallel || !f32 ? u(c) * u(H) * 4 : 0;
+    b[kHidden] = s.sequence_parallel ? u(m) * u(H) * 4 : 0;
+    b[kPartial] = dh ? u(m) * u(H) * 4 : 0;
+    b[kGathered] = dh && s.ranks > 1 ? G * u(m) * u(H) * 4 : 0;
+    b[kDHidden] = dh ? u(c) * u(H) * 4 : 0;
+    b[kDWeight] = s.gradients && s.d_weight && !s.d_weight_f32 ? u(V) * u(H) * 4 : 0;
+    b[kRows] = 4 * u(m) * 4;
+    b[kTargets] = (u(c) + u(m)) * 8;
+    b[kArgmax] = s.accuracy ? u(m) * 8 : 0;
+  }
+  place(p);
+  return p;
+}
+
+// lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary.
+Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
+  Plan p;
+  p.info.schedule = LinearSchedule::lean;
+  p.ranks_in_chunk = s.sequence_parallel ? s.ranks : 1;
+  const int64_t M = s.rows_all(), V = s.widest, H = s.hidden, N = s.rows;
+  p.info.chunk_rows = rb;
+  p.info.chunk_cols = vc;
+  p.info.chunks = vc > 0 ? (V + vc - 1) / vc : 0;
+  const size_t es = dtype_size(s.inputs), G = u(s.ranks), nc = u(p.info.chunks);
+  const bool f32 = s.inputs == DType::f32, dh = s.gradients && s.d_hidden;
+  auto& b = p.bytes;
+  b[kSend] = nc * u(s.fields) * u(M) * 4;
+  b[kRecv] = s.ranks > 1 ? G * b[kSend] : 0;
+  b[kRows] = 4 * u(M) * 4;
+  b[kArgmax] = s.accuracy ? u(M) * 8 : 0;
+  b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(M) * u(H) * 4 : 0;
+  if (s.backend == Backend::cuda) {
+    b[kGemmWorkspace] = kGemmWorkspaceBytes;
+    b[kLogits] = u(f32 ? M : rb) * u(vc) * 4;
+    b[kGrad] = s.gradients && !f32 ? u(M) * u(vc) * es : 0;
+    b[kHidden] = s.sequence_parallel ? u(M) * u(H) * es : 0;
+    b[kMine] = s.sequence_parallel ? u(N) * u(H) * es : 0;
+    // d_hidden itself where it is f32 on one rank; else scratch (the sum over ranks is in place).
+    b[kDHidden] = dh && !(s.ranks == 1 && s.d_hidden_f32) ? u(M) * u(H) * 4 : 0;
+    b[kTargets] = s.sequence_parallel ? u(M) * 8 : 0;
+    b[kBlockRecord] = u(s.fields) * u(f32 ? M : rb) * 4;
+  } else {
+    b[kLogits] = u(M) * u(vc) * 4;
+    b[kPad] = 128 * (u(H) + u(vc)) * 4;
+    b[kHidden] = u(M) * u(H) * 4;
+    b[kMine] = s.sequence_parallel ? u(N) * u(H) * 4 : 0;
+    b[kWeight] = f32 ? 0 : u(vc) * u(H) * 4;
+    b[kDWeight] = s.gradients && s.d_weight && !s.d_weight_f32 ? u(vc) * u(H) * 4 : 0;
+    b[kDHidden] = dh ? u(M) * u(H) * 4 : 0;
+    b[kPartial] = dh && s.ranks > 1 ? u(M) * u(H) * 4 : 0;
+    b[kGathered] = dh && s.ranks > 1 ? G * u(M) * u(H) * 4 : 0;
+    b[kTargets] = u(M) * 8;
+  }
+  place(p);
+  return p;
+}
+
+// Rows of lean's blocks of fp32 logits: every row where the gradient is made in place over them
+// (fp32 on CUDA, and the CPU), else kLeanRows (or the rows asked for).
+int64_t lean_block_rows(const Shape& s, const LinearOptions& lopt) {
+  const int64_t M = std::max<int64_t>(s.rows_all(), 1);
+  if (s.backend == Backend::cpu || s.inputs == DType::f32) return M;
+  return std::min(lopt.chunk_rows > 0 ? lopt.chunk_rows : kLeanRows, M);
+}
+
+// The largest n in [lo, hi] with fits(n), assuming fits is monotone; lo - 1 where none.
+template <typename F>
+int64_t largest(int64_t lo, int64_t hi, F fits) {
+  if (hi < lo || !fits(lo)) return lo - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// n rounded down to a multiple of `tile` where it is larger than one.
+int64_t whole(int64_t n, int64_t tile) {
+  return n > tile ? n - n % tile : n;
+}
+
+// Whether the CUDA backend makes fast's fp32 logits a sub-chunk at a time (16-bit inputs).
+bool has_sub_chunks(const Shape& s) {
+  return s.backend == Backend::cuda && s.inputs != DType::f32;
+}
+
+// fast with chunks of c rows and the largest sub-chunk (at most kSubRows rows) within `budget`
+// (or of one row where none fits).
+Plan fast_within(const Shape& s, int64_t c, size_t budget) {
+  if (!has_sub_chunks(s)) return fast_layout(s, c, 0);
+  const int64_t m = c * (s.sequence_parallel ? s.ranks : 1);
+  const int64_t sub = largest(1, std::min(kSubRows, std::max<int64_t>(m, 1)), [&](int64_t n) {
+    return fast_layout(s, c, n).total <= budget;
+  });
+  return fast_layout(s, c, std::max<int64_t>(sub, 1));
+}
+
+// fast within `budget`; info.chunks == -1 where no chunk fits.
+Plan plan_fast(const Shape& s, const LinearOptions& lopt, size_t budget) {
+  const int64_t N = std::max<int64_t>(s.rows, 1);
+  if (lopt.chunk_rows > 0) return fast_within(s, std::min(lopt.chunk_rows, N), budget);
+  Plan one = fast_within(s, N, budget);  // one chunk: no accumulator over chunks
+  if (one.total <= budget) return one;
+  const int64_t c =
+      largest(1, N - 1, [&](int64_t r) { return fast_within(s, r, budget).total <= budget; });
+  if (c < 1) {
+    Plan none = fast_within(s, 1, budget);
+    none.info.chunks = -1;
+    return none;
+  }
+  // Whole sub-chunks (whole 128-row tiles of the GEMM): a short one rereads the whole weight.
+  const int64_t R = s.sequence_parallel ? s.ranks : 1;
+  const Plan fit = fast_within(s, c, budget);
+  const int64_t tile = fit.sub_rows > 0 ? fit.sub_rows : 128;
+  return fast_within(s, std::max<int64_t>(1, whole(c * R, tile) / R), budget);
+}
+
+// lean within `budget`; info.chunks == -1 where no chunk fits.
+Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget) {
+  const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt);
+  if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V));
+  // The scratch grows with the columns of a chunk, save the records of the chunks, which shrink
+  // with them: search above the width where the total is least (a ternary search of a function
+  // that falls, then rises).
+  const auto total = [&](int64_t n) { return lean_layout(s, rb, n).total; };
+  int64_t lo = 1, hi = V;
+  while (hi - lo > 2) {
+    const int64_t a = lo + (hi - lo) / 3, b = hi - (hi - lo) / 3;
+    if (total(a) <= total(b))
+      hi = b;
+    else
+      lo = a;
+  }
+  int64_t least = lo;
+  for (int64_t n = lo + 1; n <= hi; ++n)
+    if (total(n) < total(least)) least = n;
+  const int64_t vc = largest(least, V, [&](int64_t n) { return total(n) <= budget; });
+  if (vc < least) {
+    Plan none = lean_layout(s, rb, least);
+    none.info.chunks = -1;
+    return none;
+  }
+  return lean_layout(s, rb, vc == V ? V : whole(vc, 128));
+}
+
+[[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget,
+                         LinearSchedule asked, const Plan& fast, const Plan& lean) {
+  std::string what = "LinearOptions::max_scratch_bytes = " + to_string(budget);
+  if (lopt.max_scratch_bytes == 0 && lopt.max_chunk_bytes != 0)
+    what = "LinearOptions::max_chunk_bytes = " + to_string(budget);
+  std::string need;
+  if (asked != LinearSchedule::lean)
+    need += "fast needs " + to_string(fast.total) + " bytes for a chunk of " +
+            to_string(fast.info.chunk_rows) + " rows";
+  if (asked != LinearSchedule::fast)
+    need += std::string(need.empty() ? "" : ", ") + "lean needs " + to_string(lean.total) +
+            " bytes for a chunk of " + to_string(lean.info.chunk_cols) + " columns";
+  fail(what + ": too small for " +
+       (asked == LinearSchedule::automatic ? std::string("either schedule")
+                                           : std::string("schedule ") + to_string(asked)) +
+       " of " + to_string(s.rows_all()) + " rows, hidden " + to_string(s.hidden) + " and " +
+       to_string(s.widest) + " columns on this backend (" + need +
+       "): raise it, or leave it 0 for the default");
 }
 
 }  // namespace
 
-ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
-                      ChunkCost cost) {
+void check_options(const LinearOptions& lopt) {
+  if (lopt.chunk_rows < 0)
+    fail("LinearOptions::chunk_rows = " + to_string(lopt.chunk_rows) +
+         ": must be >= 1, or 0 (from the budget)");
+  if (lopt.chunk_cols < 0)
+    fail("LinearOptions::chunk_cols = " + to_string(lopt.chunk_cols) +
+         ": must be >= 1, or 0 (from the budget)");
+  const int s = static_cast<int>(lopt.schedule);
+  if (s < 0 || s > static_cast<int>(LinearSchedule::lean))
+    fail("LinearOptions::schedule = " + to_string(s) + ": must be automatic, fast or lean");
+}
+
+size_t default_budget(const Shape& s) {
+  const size_t logits16 = u(s.rows_all()) * u(s.widest) * 2;
+  LinearOptions lopt;
+  lopt.chunk_cols = std::min<int64_t>(std::max<int64_t>(s.widest, 1), kLeanCols);
+  const Plan need = lean_layout(s, lean_block_rows(s, lopt), lopt.chunk_cols);
+  return std::max({logits16 / 8, need.total, kMinBudget});
+}
+
+Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   check_options(lopt);
-  ChunkPlan plan;
-  plan.ranks = lopt.sequence_parallel ? ranks : 1;
-  // Counted for the widest shard: every rank's chunk then fits, and every rank computes the same
-  // rows.
-  const size_t w = static_cast<size_t>(widest);
-  const size_t row_bytes = cost.per_logit * w * static_cast<size_t>(plan.ranks);
-  const size_t sub_row_bytes = cost.sub_logit * w;
-  const size_t budget = lopt.max_chunk_bytes;
-  const int64_t most = std::max<int64_t>(rows, 1);
-  if (lopt.chunk_rows > 0) {
-    plan.rows = std::min(lopt.chunk_rows, most);
-    if (cost.sub_logit > 0)
-      plan.sub_rows = std::max<int64_t>(
-          1, rows_in(budget, sub_row_bytes, std::min(kSubRows, plan.logits_rows())));
-  } else if (cost.sub_logit > 0 && cost.accumulator > 0 &&
-             row_bytes * static_cast<size_t>(most) <= cost.accumulator) {
-    plan.rows = most;
-    plan.sub_rows = rows_in(budget, sub_row_bytes, plan.logits_rows());
-    if (plan.sub_rows < 1) no_row(lopt, cost, widest, plan.ranks, /*chunk=*/false);
-  } else {
-    if (cost.sub_logit > 0)
-      plan.sub_rows = rows_in(budget, sub_row_bytes + cost.per_logit * w,
-                              std::min(kSubRows, most * plan.ranks));
-    const size_t fixed = static_cast<size_t>(plan.sub_rows) * sub_row_bytes;
-    plan.rows = budget > fixed ? static_cast<int64_t>((budget - fixed) / row_bytes) : 0;
-    if (plan.rows < 1 || (cost.sub_logit > 0 && plan.sub_rows < 1))
-      no_row(lopt, cost, widest, plan.ranks, /*chunk=*/true);
-    plan.rows = std::min(plan.rows, most);
-    // Whole sub-chunks where there are several chunks: a short one rereads the whole weight for
-    // a few rows.
-    const int64_t m = plan.logits_rows();
-    if (plan.sub_rows > 0 && plan.rows < most && m > plan.sub_rows)
-      plan.rows = std::max<int64_t>(1, (m - m % plan.sub_rows) / plan.ranks);
+  size_t budget = lopt.max_scratch_bytes != 0 ? lopt.max_scratch_bytes : lopt.max_chunk_bytes;
+  if (budget == 0) budget = default_budget(s);
+  const Plan fast = plan_fast(s, lopt, budget);
+  const Plan lean = plan_lean(s, lopt, budget);
+  const bool fast_fits = fast.info.chunks >= 0 && fast.total <= budget;
+  const bool lean_fits = lean.info.chunks >= 0 && lean.total <= budget;
+  Plan p;
+  switch (lopt.schedule) {
+    case LinearSchedule::fast:
+      if (!fast_fits) refuse(s, lopt, budget, lopt.schedule, fast, lean);
+      p = fast;
+      break;
+    case LinearSchedule::lean:
+      if (!lean_fits) refuse(s, lopt, budget, lopt.schedule, fast, lean);
+      p = lean;
+      break;
+    default: {
+      // fast where its chunks are long enough for its GEMMs (or asked for), else lean.
+      const bool fast_good = fast_fits && (lopt.chunk_rows > 0 ||
+                                           fast.info.chunk_rows >= std::min(s.rows, kFastRows));
+      if (fast_good || (fast_fits && !lean_fits))
+        p = fast;
+      else if (lean_fits)
+        p = lean;
+      else
+        refuse(s, lopt, budget, lopt.schedule, fast, lean);
+    }
   }
-  plan.chunks = (rows + plan.rows - 1) / plan.rows;
-  return plan;
+  p.info.budget = budget;
+  p.info.scratch_bytes = p.total;
+  return p;
 }
 
 }  // namespace xent::linear

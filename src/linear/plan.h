@@ -1,63 +1,105 @@
-// The chunk plan of the fused lm head, one for every backend (docs/linear.md): how many of this
-// rank's rows of hidden each chunk takes, and how many chunks there are. Every rank must make the
-// same chunks (each is a collective), so the plan reads only what the ranks agree on: the rows,
-// the options and the widest rank's shard.
+// The plan of the fused lm head, one for every backend (docs/linear.md, "Schedules" and "The
+// budget"): which schedule a call takes, the sizes of its chunks, and every buffer it allocates,
+// so that the call's scratch is one allocation of a known size, carved as laid out here. Every
+// rank must make the same chunks (each is a collective), so the plan reads only what the ranks
+// agree on (Shape).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 #include "xent/linear.h"
 
 namespace xent::linear {
 
-struct ChunkPlan {
-  int64_t rows = 0;    // this rank's rows per chunk (the last chunk may have fewer)
-  int64_t chunks = 0;  // ceil(this rank's rows / rows); 0 when there are none
-  int64_t ranks = 1;   // ranks whose rows a chunk holds: the group's with sequence_parallel, else 1
-  // Rows of a sub-chunk (the CUDA backend's fp32 logits of 16-bit inputs, made a sub-chunk at a
-  // time); 0 where the backend makes a chunk's logits at once.
-  int64_t sub_rows = 0;
-
-  int64_t first(int64_t chunk) const { return chunk * rows; }
-  // This rank's rows in `chunk` of a rank holding `total` rows.
-  int64_t count(int64_t chunk, int64_t total) const {
-    const int64_t left = total - first(chunk);
-    return left < rows ? left : rows;
-  }
-  // Rows of logits of the largest chunk (what the backends' buffers hold).
-  int64_t logits_rows() const { return rows * ranks; }
+// What the plan depends on; the same on every rank (check.cpp: agree).
+struct Shape {
+  Backend backend = Backend::cpu;
+  int ranks = 1;                // the group's size
+  bool sequence_parallel = false;
+  int64_t rows = 0;             // this rank's rows of hidden
+  int64_t widest = 0;           // the most columns of any rank's shard (padding included)
+  int64_t hidden = 0;           // H
+  DType inputs = DType::f32;    // hidden's (and weight's) dtype
+  bool gradients = false;       // this pass computes d_hidden and/or d_weight
+  bool d_hidden = false;        // computed (every rank alike)
+  bool d_hidden_f32 = false;    // every rank's d_hidden is f32
+  bool d_weight = false;        // computed on some rank
+  bool d_weight_f32 = false;    // every rank's d_weight is f32 (or accumulated into: f32 too)
+  bool accuracy = false;        // argmax and accuracy asked for
+  int fields = 2;               // floats of a row's statistics record
+  bool sums = false;            // the communicator sums (Communicator::has_sums) on every rank
+  int64_t rows_all() const { return rows * (sequence_parallel ? ranks : 1); }
 };
+
+// The buffers of a call, each carved from the one allocation at an offset aligned to 256 bytes.
+enum Buf : int {
+  kGemmWorkspace,  // cuBLASLt's workspace (CUDA)
+  kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place)
+  kGrad,           // the gradient of a chunk in 16 bits (CUDA, 16-bit inputs)
+  kHidden,         // every rank's rows of hidden (sequence parallelism; CPU: all rows in fp32)
+  kMine,           // this rank's rows of hidden, contiguous (and fp32 on the CPU), to send
+  kWeight,         // the weight's rows of a chunk in fp32 (CPU, 16-bit weight)
+  kPartial,        // fp32 d_hidden of a chunk before the sum over the ranks (two on CUDA: overlap)
+  kGathered,       // every rank's partial, for a rank-order sum (communicators without sums)
+  kDWeight,        // fp32 d_weight: fast's accumulator [V, H], or lean's chunk (CPU) [cols, H]
+  kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
+  kPad,            // the CPU logits GEMM's padded last block (sgemm_nt_row_invariant)
+  kRows,           // per-row floats: lse, loss, z-loss, grad_output (all rows or a chunk's)
+  kTargets,        // every rank's targets as int64, twice (gathered, then in chunk order)
+  kArgmax,         // per-row argmax (int64)
+  kSend,           // this rank's statistics records
+  kRecv,           // every rank's records (several ranks)
+  kBlockRecord,    // the records of one block of rows (lean on CUDA), before they are placed
+  kBufCount
+};
+
+struct Plan {
+  LinearPlan info;                            // schedule, budget, chunks
+  int64_t sub_rows = 0;                       // fast, 16-bit on CUDA: fp32 logits per sub-chunk
+  std::array<size_t, kBufCount> bytes{};      // each buffer's size
+  std::array<size_t, kBufCount> offset{};     // and offset in the allocation
+  size_t total = 0;                           // the allocation: the scratch of the call
+
+  int64_t ranks_in_chunk = 1;  // ranks whose rows a chunk holds (SP: all, else 1)
+  // fast: this rank's first row of `chunk` and how many it holds of `total` rows.
+  int64_t first(int64_t chunk) const { return chunk * info.chunk_rows; }
+  int64_t count(int64_t chunk, int64_t total_rows) const {
+    const int64_t left = total_rows - first(chunk);
+    return left < info.chunk_rows ? left : info.chunk_rows;
+  }
+  int64_t logits_rows() const { return info.chunk_rows * ranks_in_chunk; }
+};
+
+// cuBLASLt's workspace: its recommendation for Hopper.
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// fast, 16-bit on CUDA: fp32 logits made a sub-chunk of at most this many rows at a time (its
+// logits GEMM reads the weight once per that many rows: 128 rows took 2x the GEMM's time on H100).
+constexpr int64_t kSubRows = 512;
+// automatic: fast only where its chunks hold at least this many rows (or every row): fewer make
+// its logits GEMM reread the weight too often.
+constexpr int64_t kFastRows = 1024;
+// lean on CUDA, 16-bit: rows of a block of fp32 logits (its GEMM's M).
+constexpr int64_t kLeanRows = 2048;
+// lean: the least columns of a chunk of the vocabulary that its need (the default budget's floor)
+// counts: each chunk adds its d_hidden part to the fp32 accumulator, rows x H x 8 bytes of
+// traffic, so chunks much narrower than H spend more on that than on the GEMM.
+constexpr int64_t kLeanCols = 3072;
+
+// The default budget's floor: below it the schedules' difference in memory is too small to
+// matter, and fast's fewer GEMMs win.
+constexpr size_t kMinBudget = size_t(64) << 20;
 
 // Throws xent::Error naming the argument, its value and the rule (before any collective).
 void check_options(const LinearOptions& lopt);
 
-// What a chunk holds, for the rows that max_chunk_bytes allows: bytes per logit of its rows (of
-// the widest shard, every rank's rows with sequence parallelism), and bytes per logit of a
-// sub-chunk (0: none).
-struct ChunkCost {
-  size_t per_logit = 0;
-  size_t sub_logit = 0;
-  // Bytes of the fp32 accumulator that d_weight needs over more than one chunk (0: none, as
-  // where d_weight is f32 or not computed). Where the whole gradient of every row takes no more,
-  // one chunk of every row is both leaner and faster: its d_weight GEMM writes d_weight directly.
-  size_t accumulator = 0;
-};
-// CPU: the fp32 logits, then their gradient in place: 8 bytes. CUDA: the gradient in the inputs'
-// dtype (f32 inputs: the logits too, in place), and for 16-bit inputs the fp32 logits of a
-// sub-chunk (src/linear/cuda.cpp makes them a sub-chunk at a time).
-ChunkCost chunk_cost(Backend backend, DType inputs, size_t accumulator);
+// The plan for `s` under `lopt` (schedule, budget, chunk sizes): throws where the budget holds no
+// chunk of the schedule asked for (automatic: of either), naming what one needs.
+Plan make_plan(const Shape& s, const LinearOptions& lopt);
 
-// Rows of a sub-chunk: at most kSubRows, so that its logits GEMM reads the weight once per that
-// many rows (fewer leave the GEMM waiting on memory: 128 rows took 2x the GEMM's time on H100),
-// and whole tiles of the GEMM's 128 rows where there are more.
-constexpr int64_t kSubRows = 512;
-
-// `rows`: this rank's rows of hidden (the same on every rank); `ranks`: the group's size;
-// `widest`: the most columns of any rank's shard. Throws where max_chunk_bytes holds no row.
-// With chunk_rows = 0 and 16-bit inputs on CUDA: one chunk of every row where its gradient fits
-// in cost.accumulator, its sub-chunk then taking all of max_chunk_bytes; else a sub-chunk of at
-// most kSubRows rows and the chunk (whole sub-chunks) in the rest.
-ChunkPlan plan_chunks(const LinearOptions& lopt, int64_t rows, int ranks, int64_t widest,
-                      ChunkCost cost);
+// The default budget for `s`: the largest of an eighth of the 16-bit logits [rows, widest], what
+// lean needs (its fixed buffers and chunks of kLeanCols columns) and kMinBudget.
+size_t default_budget(const Shape& s);
 
 }  // namespace xent::linear

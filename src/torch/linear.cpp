@@ -9,6 +9,7 @@
 // before the one rounding); a rounded gradient is never rescaled.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -28,17 +29,38 @@ namespace xent::torch {
 namespace detail {
 
 LinearArgs LinearArgs::of(const LinearCrossEntropyOptions& o) {
-  return {o.sequence_parallel, o.chunk_rows, o.max_chunk_bytes};
+  return {o.sequence_parallel, o.chunk_rows,
+          o.max_scratch_bytes != 0 ? o.max_scratch_bytes : o.max_chunk_bytes};
 }
 
-LinearOptions LinearArgs::options() const {
+namespace {
+
+// The fused lm head's scratch from PyTorch's CUDA caching allocator, on the call's stream:
+// torch.cuda.max_memory_allocated counts it, CUDA graph capture takes it from the graph's pool,
+// and it goes back to the cache when the call ends.
+class CachingAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes, cudaStream_t stream) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream);
+  }
+  void release(void* p, size_t, cudaStream_t) override {
+    c10::cuda::CUDACachingAllocator::raw_delete(p);
+  }
+};
+
+}  // namespace
+
+LinearOptions LinearArgs::options(bool cuda) const {
   XENT_CHECK(chunk_rows >= 0, "chunk_rows = ", chunk_rows,
-             ": must be >= 1, or 0 (rows per chunk from max_chunk_bytes)");
-  XENT_CHECK(max_chunk_bytes > 0, "max_chunk_bytes = ", max_chunk_bytes, ": must be > 0");
+             ": must be >= 1, or 0 (rows per chunk from the budget)");
+  XENT_CHECK(max_scratch_bytes >= 0, "max_scratch_bytes = ", max_scratch_bytes,
+             ": must be >= 0 (0: the default budget)");
+  static CachingAllocator caching;
   LinearOptions o;
   o.sequence_parallel = sequence_parallel;
   o.chunk_rows = chunk_rows;
-  o.max_chunk_bytes = static_cast<size_t>(max_chunk_bytes);
+  o.max_scratch_bytes = static_cast<size_t>(max_scratch_bytes);
+  if (cuda) o.allocator = &caching;  // CPU tensors: malloc, as PyTorch's CPU allocator
   return o;
 }
 
@@ -59,7 +81,7 @@ using Tail = std::tuple<XENT_TAIL_TYPES>;
 Tail tail(const OpArgs& a, const LinearArgs& l) {
   return {a.group_name, a.ignore_index,      a.label_smoothing, a.z_loss,
           a.softcap,    a.reduction,         a.vocab_start,     a.vocab_size,
-          a.grad_scale, l.sequence_parallel, l.chunk_rows,      l.max_chunk_bytes};
+          a.grad_scale, l.sequence_parallel, l.chunk_rows,      l.max_scratch_bytes};
 }
 
 }  // namespace
@@ -214,7 +236,7 @@ at::Tensor run_linear(const at::Tensor& hidden_in, const at::Tensor& weight_in,
                       GradMode mode) {
   check_linear_inputs(hidden_in, weight_in, target_in);
   const Reduction reduction = parse_reduction(args.reduction);  // a bad name fails before work
-  largs.options();                                              // so do bad chunk options
+  largs.options(false);  // so do bad chunk options
   XENT_CHECK(std::isfinite(args.grad_scale) && args.grad_scale > 0.0,
              "grad_scale = ", args.grad_scale, ": must be finite and > 0");
   XENT_CHECK(args.grad_scale == 1.0 || mode == GradMode::fused, "grad_scale = ", args.grad_scale,
@@ -263,11 +285,11 @@ at::Tensor linear_entry(const at::Tensor& hidden, const at::Tensor& weight,
                         bool sequence_parallel, int64_t ignore_index, double label_smoothing,
                         double z_loss, double softcap, c10::string_view reduction,
                         int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
-                        double grad_scale, int64_t chunk_rows, int64_t max_chunk_bytes) {
+                        double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes) {
   return run_linear(hidden, weight, target,
                     OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap,
                                reduction, vocab_start, vocab_size, grad_scale),
-                    LinearArgs{sequence_parallel, chunk_rows, max_chunk_bytes},
+                    LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes},
                     parse_grad_mode(std::string(grad_mode)));
 }
 

@@ -120,7 +120,7 @@ void backward_into(const at::Tensor& d_hidden, const at::Tensor& d_weight, const
   const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
   core_call([&] {
     xent::linear_backward(s.group, matrix_of(hidden), matrix_of(weight), targets_of(target),
-                          lse_ptr, go_ptr, s.opt, l.options(), out, stream_of(hidden.device()));
+                          lse_ptr, go_ptr, s.opt, l.options(hidden.is_cuda()), out, stream_of(hidden.device()));
   });
 }
 
@@ -129,12 +129,12 @@ LinearForwardOut forward_op(const at::Tensor& hidden, const at::Tensor& weight,
                             int64_t ignore_index, double label_smoothing, double z_loss,
                             double softcap, c10::string_view reduction, int64_t vocab_start,
                             int64_t vocab_size, double grad_scale, bool sequence_parallel,
-                            int64_t chunk_rows, int64_t max_chunk_bytes, bool d_hidden,
+                            int64_t chunk_rows, int64_t max_scratch_bytes, bool d_hidden,
                             bool d_weight) {
   const at::OptionalDeviceGuard guard(hidden.device());
   const OpArgs a = OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                               vocab_start, vocab_size, grad_scale);
-  const LinearArgs l{sequence_parallel, chunk_rows, max_chunk_bytes};
+  const LinearArgs l{sequence_parallel, chunk_rows, max_scratch_bytes};
   const bool fused = d_hidden || d_weight;
   const Setup s =
       linear_setup(a, hidden, weight, {&target}, fused ? GradMode::fused : GradMode::none);
@@ -153,7 +153,7 @@ LinearForwardOut forward_op(const at::Tensor& hidden, const at::Tensor& weight,
   out.d_weight = gradient_of(dw);
   core_call([&] {
     xent::linear_forward(s.group, matrix_of(hidden), matrix_of(weight), targets_of(target), s.opt,
-                         l.options(), out, stream_of(hidden.device()));
+                         l.options(hidden.is_cuda()), out, stream_of(hidden.device()));
   });
   return f;
 }
@@ -164,12 +164,12 @@ LinearGrads backward_op(const at::Tensor& hidden, const at::Tensor& weight,
                         int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
                         c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
                         double grad_scale, bool sequence_parallel, int64_t chunk_rows,
-                        int64_t max_chunk_bytes, bool d_hidden, bool d_weight) {
+                        int64_t max_scratch_bytes, bool d_hidden, bool d_weight) {
   const at::Tensor dh = new_gradient(hidden, d_hidden), dw = new_gradient(weight, d_weight);
   backward_into(dh, dw, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_chunk_bytes}, /*fused=*/false);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes}, /*fused=*/false);
   return {dh, dw};
 }
 
@@ -179,11 +179,11 @@ void backward_fused_op(const at::Tensor& d_hidden, const at::Tensor& d_weight,
                        c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                        double z_loss, double softcap, c10::string_view reduction,
                        int64_t vocab_start, int64_t vocab_size, double grad_scale,
-                       bool sequence_parallel, int64_t chunk_rows, int64_t max_chunk_bytes) {
+                       bool sequence_parallel, int64_t chunk_rows, int64_t max_scratch_bytes) {
   backward_into(d_hidden, d_weight, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_chunk_bytes}, /*fused=*/true);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes}, /*fused=*/true);
 }
 
 }  // namespace
