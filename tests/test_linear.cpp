@@ -55,9 +55,9 @@ std::vector<xent::LinearOptions> chunkings() {
 
 // CUDA, 16-bit inputs, the fast schedule: a budget under which chunks of `chunk_rows` rows make
 // their fp32 logits sub-chunks of `sub` rows (plan.h: a sub-chunk takes what the budget leaves
-// it, at most kSubRows). 0 on the CPU (no sub-chunks): the default budget.
+// it, at most kSubRows). 0 on the CPU and for f32 inputs (no sub-chunks): the default budget.
 size_t budget_for_sub_rows(const xent::Group& g, const LinearCase& c, int64_t sub) {
-  if (g.backend() != xent::Backend::cuda) return 0;
+  if (g.backend() != xent::Backend::cuda || c.dtype == DType::f32) return 0;
   char fake[16];  // linear_plan reads no data
   const int64_t V = c.widths[0];
   const xent::MatrixView h{fake, c.dtype, c.rows, c.H, c.H}, w{fake, c.dtype, V, c.H, c.H};
