@@ -368,6 +368,8 @@ LinearOperation::LinearOperation(const Settings& s, xent::Group& group, Device& 
   alloc_->gpu = dev.gpu();
   lopt_.allocator = alloc_.get();
   lopt_.max_scratch_bytes = static_cast<size_t>(s.scratch_mib) << 20;
+  lopt_.chunk_rows = s.chunk_rows;
+  lopt_.chunk_cols = s.chunk_cols;
   lopt_.schedule = s.schedule == "fast"   ? xent::LinearSchedule::fast
                    : s.schedule == "lean" ? xent::LinearSchedule::lean
                                           : xent::LinearSchedule::automatic;

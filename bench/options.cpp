@@ -304,6 +304,22 @@ const std::vector<Option> kOptions = {
        r.s.schedule = v->value;
      },
      [](const Settings& s, json& c) { c["schedule"] = s.schedule; }},
+    {"chunk_rows", "--chunk-rows", "N",
+     "--hidden: LinearOptions::chunk_rows (fast: rows per chunk; lean: rows per block of fp32 "
+     "logits); 0: the plan's",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.chunk_rows = to_int(*v, 0, int64_t(1) << 30);
+     },
+     [](const Settings& s, json& c) { c["chunk_rows"] = s.chunk_rows; }},
+    {"chunk_cols", "--chunk-cols", "N",
+     "--hidden: LinearOptions::chunk_cols (lean: columns per chunk of the vocabulary); 0: the "
+     "plan's",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (v) r.s.chunk_cols = to_int(*v, 0, int64_t(1) << 30);
+     },
+     [](const Settings& s, json& c) { c["chunk_cols"] = s.chunk_cols; }},
     {"json", "--json", "FILE", "also write the results and the environment as JSON (rank 0)", false,
      [](Resolve& r, const Source* v) {
        if (!v) return;

@@ -62,6 +62,8 @@ class CpuLean final : public LeanSteps {
     cpu::count_valid(all_, tv_, ws_.scalars);
   }
 
+  void phase(bool) override {}  // one block of every row in chunks of vc_ columns, throughout
+
   void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     weight_rows(v0, cols);
     float* pad = scratch_.get<float>(kPad);
@@ -91,7 +93,7 @@ class CpuLean final : public LeanSteps {
     o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? rows_ + 2 * M_ : out.z_loss;
     o.argmax = sp() || out.argmax == nullptr ? scratch_.get<int64_t>(kArgmax) : out.argmax;
     o.accuracy = out.accuracy;
-    const int records = G_ * static_cast<int>(plan_.info.chunks);
+    const int records = G_ * static_cast<int>(plan_.stats_chunks);
     cpu::finalize(all_, tv_, gathered, records, o, lse, ws_.scalars);
     lse_ = lse;
     go_ = nullptr;  // fused: grad_output = grad_scale, folded into the scale

@@ -73,15 +73,20 @@ class CudaLean final : public LeanSteps {
     cuda::count_valid(all_, tv_, ws_.scalars, stream_);
   }
 
+  void phase(bool stats) override {
+    stats_ = stats;
+    ld_ = stats ? plan_.stats_cols : vc_;
+  }
+
   void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     const device::Operand a = rows_of(h_, r0);
     state_.gemm.run(false, true, rows, cols, H_, a, weight_rows(v0), 0.0f, block(r0), DType::f32,
-                    vc_, stream_);
+                    ld_, stream_);
   }
 
   void stats(int64_t c, int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     const core::Problem pc = chunk_problem(rows, v0, cols);
-    const LogitsView lv{block(r0), DType::f32, rows, pc.cols, vc_};
+    const LogitsView lv{block(r0), DType::f32, rows, pc.cols, ld_};
     const int fields = call_.p.layout.fields;
     float* records = scratch_.get<float>(kSend) + c * fields * M_;
     float* record = rows == M_ ? records : scratch_.get<float>(kBlockRecord);
@@ -107,7 +112,7 @@ class CudaLean final : public LeanSteps {
     o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? rows_ + 2 * M_ : out.z_loss;
     o.argmax = sp() || out.argmax == nullptr ? scratch_.get<int64_t>(kArgmax) : out.argmax;
     o.accuracy = out.accuracy;
-    const int records = G_ * static_cast<int>(plan_.info.chunks);
+    const int records = G_ * static_cast<int>(plan_.stats_chunks);
     cuda::finalize(all_, tv_, gathered, records, o, lse, ws_.scalars, ws_.partials, stream_);
     lse_ = lse;
     go_ = nullptr;  // fused: grad_output = grad_scale, folded into the scale
@@ -169,9 +174,12 @@ class CudaLean final : public LeanSteps {
  private:
   bool sp() const { return call_.sequence_parallel; }
 
-  // The fp32 logits of rows from r0: all rows' buffer where the gradient is made in place (fp32),
-  // else the one block's.
-  float* block(int64_t r0) const { return f32_ ? logits_ + r0 * vc_ : logits_; }
+  // The fp32 logits of rows from r0: where every row's are made at once (forward's statistics
+  // over every row; the sweep's of fp32 inputs, whose gradient is made in place) at row r0 of
+  // them, else the one block's.
+  float* block(int64_t r0) const {
+    return (stats_ ? plan_.stats_rows == M_ : f32_) ? logits_ + r0 * ld_ : logits_;
+  }
 
   device::Operand rows_of(device::Operand m, int64_t r0) const {
     return device::Operand{
@@ -193,7 +201,7 @@ class CudaLean final : public LeanSteps {
     core::Problem pc = all_;
     pc.rows = rows;
     pc.cols = std::max<int64_t>(cols, 1);
-    pc.row_stride = vc_;
+    pc.row_stride = ld_;
     pc.vocab_start = call_.p.vocab_start + v0;
     pc.real_cols = cols;
     return pc;
@@ -259,6 +267,8 @@ class CudaLean final : public LeanSteps {
   const int G_;
   const int64_t N_, M_, H_, vc_;
   const bool f32_;
+  bool stats_ = false;
+  int64_t ld_ = 0;  // the logits' row stride in this phase
   const float* lse_in_;
   const float* go_in_;
   float* logits_ = nullptr;

@@ -19,10 +19,13 @@ void run_lean(LeanSteps& s, const Call& call, const Plan& plan, Pass pass) {
   const auto columns = [&](int64_t c) { return std::clamp<int64_t>(real - c * vc, 0, vc); };
   s.begin();
   if (pass == Pass::forward) {
-    for (int64_t c = 0; c < plan.info.chunks; ++c) {
-      const int64_t v0 = c * vc, cols = columns(c);
-      for (int64_t r0 = 0; r0 < rows; r0 += rb) {
-        const int64_t n = std::min(rb, rows - r0);
+    // The statistics in their own chunks (plan.h: as wide as the sweep's buffers allow).
+    const int64_t sc = plan.stats_cols, sr = std::max<int64_t>(plan.stats_rows, 1);
+    s.phase(/*stats=*/true);
+    for (int64_t c = 0; c < plan.stats_chunks; ++c) {
+      const int64_t v0 = c * sc, cols = std::clamp<int64_t>(real - v0, 0, sc);
+      for (int64_t r0 = 0; r0 < rows; r0 += sr) {
+        const int64_t n = std::min(sr, rows - r0);
         if (cols > 0) s.logits(r0, n, v0, cols);
         s.stats(c, r0, n, v0, cols);
       }
@@ -30,6 +33,7 @@ void run_lean(LeanSteps& s, const Call& call, const Plan& plan, Pass pass) {
     s.finalize();
   }
   if (!call.gradients) return;
+  s.phase(/*stats=*/false);
   bool first = true;
   for (int64_t c = 0; c < plan.info.chunks; ++c) {
     const int64_t v0 = c * vc, cols = columns(c);

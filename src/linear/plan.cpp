@@ -93,11 +93,9 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
   p.info.chunk_rows = rb;
   p.info.chunk_cols = vc;
   p.info.chunks = vc > 0 ? (V + vc - 1) / vc : 0;
-  const size_t es = dtype_size(s.inputs), G = u(s.ranks), nc = u(p.info.chunks);
+  const size_t es = dtype_size(s.inputs), G = u(s.ranks);
   const bool f32 = s.inputs == DType::f32, dh = s.gradients && s.d_hidden;
   auto& b = p.bytes;
-  b[kSend] = nc * u(s.fields) * u(M) * 4;
-  b[kRecv] = s.ranks > 1 ? G * b[kSend] : 0;
   b[kRows] = 4 * u(M) * 4;
   b[kArgmax] = s.accuracy ? u(M) * 8 : 0;
   b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(M) * u(H) * 4 : 0;
@@ -110,7 +108,6 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
     // d_hidden itself where it is f32 on one rank; else scratch (the sum over ranks is in place).
     b[kDHidden] = dh && !(s.ranks == 1 && s.d_hidden_f32) ? u(M) * u(H) * 4 : 0;
     b[kTargets] = s.sequence_parallel ? u(M) * 8 : 0;
-    b[kBlockRecord] = u(s.fields) * u(f32 ? M : rb) * 4;
   } else {
     b[kLogits] = u(M) * u(vc) * 4;
     b[kPad] = 128 * (u(H) + u(vc)) * 4;
@@ -123,6 +120,22 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
     b[kGathered] = dh && s.ranks > 1 ? G * u(M) * u(H) * 4 : 0;
     b[kTargets] = u(M) * 8;
   }
+  // The forward's chunks: on CUDA every row at once, as wide as the sweep's three buffers allow
+  // (fewer, larger logits GEMMs, fewer records), where that is no narrower than the sweep's.
+  p.stats_rows = f32 || s.backend == Backend::cpu ? M : rb;
+  p.stats_cols = vc;
+  const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
+  if (s.backend == Backend::cuda && M > 0) {
+    const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
+    if (wide >= vc) {
+      p.stats_rows = M;
+      p.stats_cols = wide == V ? V : std::max(vc, wide - wide % 128);
+    }
+  }
+  p.stats_chunks = p.stats_cols > 0 ? (V + p.stats_cols - 1) / p.stats_cols : 0;
+  b[kSend] = u(p.stats_chunks) * u(s.fields) * u(M) * 4;
+  b[kRecv] = s.ranks > 1 ? G * b[kSend] : 0;
+  b[kBlockRecord] = p.stats_rows < M ? u(s.fields) * u(p.stats_rows) * 4 : 0;
   place(p);
   return p;
 }

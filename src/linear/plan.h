@@ -34,17 +34,19 @@ struct Shape {
 };
 
 // The buffers of a call, each carved from the one allocation at an offset aligned to 256 bytes.
+// kLogits, kGrad and kDHidden come one after another: lean's forward makes its fp32 logits in all
+// three at once (their sweep has not begun).
 enum Buf : int {
   kGemmWorkspace,  // cuBLASLt's workspace (CUDA)
   kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place)
   kGrad,           // the gradient of a chunk in 16 bits (CUDA, 16-bit inputs)
+  kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
   kHidden,         // every rank's rows of hidden (sequence parallelism; CPU: all rows in fp32)
   kMine,           // this rank's rows of hidden, contiguous (and fp32 on the CPU), to send
   kWeight,         // the weight's rows of a chunk in fp32 (CPU, 16-bit weight)
   kPartial,        // fp32 d_hidden of a chunk before the sum over the ranks (two on CUDA: overlap)
   kGathered,       // every rank's partial, for a rank-order sum (communicators without sums)
   kDWeight,        // fp32 d_weight: fast's accumulator [V, H], or lean's chunk (CPU) [cols, H]
-  kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
   kPad,            // the CPU logits GEMM's padded last block (sgemm_nt_row_invariant)
   kRows,           // per-row floats: lse, loss, z-loss, grad_output (all rows or a chunk's)
   kTargets,        // every rank's targets as int64, twice (gathered, then in chunk order)
@@ -62,6 +64,10 @@ struct Plan {
   std::array<size_t, kBufCount> offset{};     // and offset in the allocation
   size_t total = 0;                           // the allocation: the scratch of the call
 
+  // lean's forward (statistics only): blocks of stats_rows rows of stats_cols columns, in
+  // stats_chunks chunks of the vocabulary; on CUDA as wide as kLogits, kGrad and kDHidden hold
+  // together for every row, else the sweep's chunks.
+  int64_t stats_rows = 0, stats_cols = 0, stats_chunks = 0;
   int64_t ranks_in_chunk = 1;  // ranks whose rows a chunk holds (SP: all, else 1)
   // fast: this rank's first row of `chunk` and how many it holds of `total` rows.
   int64_t first(int64_t chunk) const { return chunk * info.chunk_rows; }

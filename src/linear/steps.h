@@ -14,6 +14,9 @@ class LeanSteps {
   // Every rank's rows of hidden and their targets (sequence parallelism), forward's lse and a
   // per-row grad_output (backward), and the gradient's scale where no forward precedes.
   virtual void begin() = 0;
+  // Forward's statistics (stats: their chunks of plan.h's stats_cols columns, their buffer over
+  // the sweep's), then the sweep's chunks (the rest of the steps).
+  virtual void phase(bool stats) = 0;
   // fp32 logits of rows [r0, r0 + rows) and columns [v0, v0 + cols) (cols >= 1).
   virtual void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) = 0;
   // Their statistics into chunk c's records (cols 0: a chunk past this rank's real columns,
