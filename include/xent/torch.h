@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "xent/linear.h"
 #include "xent/xent.h"
 
 namespace xent::torch {
@@ -99,6 +100,7 @@ struct LinearCrossEntropyOptions {
   // honoured where max_scratch_bytes is 0.
   int64_t max_scratch_bytes = 0;
   int64_t max_chunk_bytes = 0;
+  LinearSchedule schedule = LinearSchedule::automatic;  // LinearOptions::schedule
 };
 
 // hidden: [..., H] float32/bfloat16/float16 on the CPU; weight: [V_local, H], hidden's dtype

@@ -25,7 +25,8 @@ import warnings
 
 import torch
 
-__all__ = ["check_errors", "library_path", "linear_cross_entropy", "vocab_parallel_cross_entropy",
+__all__ = ["check_errors", "library_path", "linear_cross_entropy", "linear_cross_entropy_plan",
+           "vocab_parallel_cross_entropy",
            "vocab_parallel_cross_entropy_stats"]
 
 _NAME = "libxent_torch.so"
@@ -172,7 +173,8 @@ def vocab_parallel_cross_entropy_stats(logits, target, group=None, *, ignore_ind
 def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_parallel=False,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
                          reduction="mean", vocab_start=-1, vocab_size=-1, grad_mode="fused",
-                         grad_scale=1.0, chunk_rows=0, max_scratch_bytes=0, max_chunk_bytes=None):
+                         grad_scale=1.0, chunk_rows=0, max_scratch_bytes=0, schedule="auto",
+                         max_chunk_bytes=None):
     """The fused lm head: the loss of hidden @ weight.T against global targets, without the
     logits [rows, V] ever existing in full (docs/linear.md). CPU and CUDA tensors.
 
@@ -188,8 +190,9 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
     bf16 logits the call replaces and what the lean schedule needs. Within it the plan takes the
     fast schedule (three GEMMs; a 16-bit d_weight over several chunks of rows needs an fp32
     accumulator of the whole shard) where it fits with chunks of at least 1024 rows, else the
-    lean one (four GEMMs, no accumulator of d_weight); both are exact. max_chunk_bytes is the
-    former name of max_scratch_bytes.
+    lean one (four GEMMs, no accumulator of d_weight); both are exact. schedule="fast" or "lean"
+    asks for one (refused where the budget cannot hold it); linear_cross_entropy_plan says which
+    a call takes. max_chunk_bytes is the former name of max_scratch_bytes.
 
     Every gradient element is rounded once to its dtype for any grad_output: grad_mode "fused"
     computes them in forward for grad_output = grad_scale, and backward recomputes them where
@@ -207,11 +210,36 @@ def linear_cross_entropy(hidden, weight, target, group=None, *, sequence_paralle
             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
             softcap=softcap, reduction=reduction, vocab_start=d.vocab_start,
             vocab_size=d.vocab_size, grad_mode=grad_mode, grad_scale=grad_scale,
-            chunk_rows=chunk_rows, max_scratch_bytes=budget)
+            chunk_rows=chunk_rows, max_scratch_bytes=budget, schedule=schedule)
         return d.wrap(loss, own_rows=sequence_parallel and reduction == "none")
     return _LINEAR(hidden, weight, target, _name(group), sequence_parallel, ignore_index,
                    label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
-                   grad_mode, grad_scale, chunk_rows, budget)
+                   grad_mode, grad_scale, chunk_rows, budget, schedule)
+
+
+def linear_cross_entropy_plan(hidden, weight, target, group=None, *, sequence_parallel=False,
+                              ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=0.0,
+                              reduction="mean", vocab_start=-1, vocab_size=-1, grad_mode="fused",
+                              grad_scale=1.0, chunk_rows=0, max_scratch_bytes=0,
+                              schedule="auto", max_chunk_bytes=None):
+    """The plan linear_cross_entropy takes for the same arguments (plain tensors, hidden [rows, H]
+    and target [rows]), computing nothing: a dict of schedule ("fast" or "lean"), budget (bytes),
+    scratch_bytes (what the call allocates beyond its inputs and outputs, at most the budget),
+    chunk_rows, chunk_cols and chunks (docs/linear.md, "Schedules and the budget"). A collective
+    as the call is: every rank of `group` calls it alike. The plan of grad_mode "fused" is the
+    forward's that computes the gradients; "none" the statistics' alone."""
+    need = weight.requires_grad or hidden.requires_grad
+    grads = grad_mode != "none" and need
+    h = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.ops.xent._linear_plan(
+        h, weight, target.reshape(-1), _name(group), ignore_index, label_smoothing, z_loss,
+        softcap, reduction, vocab_start, vocab_size, grad_scale, sequence_parallel, chunk_rows,
+        _budget(max_scratch_bytes, max_chunk_bytes), schedule, grads and hidden.requires_grad,
+        grads and weight.requires_grad)
+    names = ["schedule", "budget", "scratch_bytes", "chunk_rows", "chunk_cols", "chunks"]
+    plan = dict(zip(names, out))
+    plan["schedule"] = "lean" if plan["schedule"] == 1 else "fast"
+    return plan
 
 
 def _budget(max_scratch_bytes, max_chunk_bytes):

@@ -73,7 +73,7 @@ def _linear_grads(hidden, weight, d_hidden, d_weight):
 @torch.library.register_fake("xent::_linear_forward")
 def _linear_forward(hidden, weight, target, group_name, ignore_index, label_smoothing, z_loss,
                     softcap, reduction, vocab_start, vocab_size, grad_scale, sequence_parallel,
-                    chunk_rows, max_scratch_bytes, d_hidden, d_weight):
+                    chunk_rows, max_scratch_bytes, schedule, d_hidden, d_weight):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
@@ -83,8 +83,8 @@ def _linear_forward(hidden, weight, target, group_name, ignore_index, label_smoo
 @torch.library.register_fake("xent::_linear_backward")
 def _linear_backward(hidden, weight, target, lse, grad_output, group_name, ignore_index,
                      label_smoothing, z_loss, softcap, reduction, vocab_start, vocab_size,
-                     grad_scale, sequence_parallel, chunk_rows, max_scratch_bytes, d_hidden,
-                     d_weight):
+                     grad_scale, sequence_parallel, chunk_rows, max_scratch_bytes, schedule,
+                     d_hidden, d_weight):
     return _linear_grads(hidden, weight, d_hidden, d_weight)
 
 
@@ -92,5 +92,5 @@ def _linear_backward(hidden, weight, target, lse, grad_output, group_name, ignor
 def _linear_backward_fused(d_hidden, d_weight, hidden, weight, target, lse, grad_output,
                            group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale, sequence_parallel, chunk_rows,
-                           max_scratch_bytes):
+                           max_scratch_bytes, schedule):
     return None

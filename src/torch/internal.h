@@ -139,18 +139,20 @@ CrossEntropyResult run(const at::Tensor& logits, const at::Tensor& target, const
 // ------------------------------------------------------------------------- the fused lm head
 
 // Its own arguments, as its schemas list them after the OpArgs:
-//   bool sequence_parallel, int chunk_rows, int max_scratch_bytes
+//   bool sequence_parallel, int chunk_rows, int max_scratch_bytes, str schedule
 struct LinearArgs {
   bool sequence_parallel = false;
   int64_t chunk_rows = 0;         // 0: from the budget
   int64_t max_scratch_bytes = 0;  // LinearOptions::max_scratch_bytes; 0: the default budget
+  std::string schedule = "auto";  // LinearOptions::schedule: "auto", "fast" or "lean"
 
   static LinearArgs of(const LinearCrossEntropyOptions& o);
   // The core's options, the scratch of CUDA tensors from PyTorch's caching allocator;
   // max_scratch_bytes checked (>= 0) first, the rest is the core's.
   LinearOptions options(bool cuda) const;
 };
-#define XENT_LINEAR_ARGS_SCHEMA "bool sequence_parallel, int chunk_rows, int max_scratch_bytes"
+#define XENT_LINEAR_ARGS_SCHEMA \
+  "bool sequence_parallel, int chunk_rows, int max_scratch_bytes, str schedule"
 
 // (loss, lse, d_hidden, d_weight): loss [rows] for reduction "none", else []; lse [rows] (the
 // backward recomputes from it); d_hidden [rows, H] and d_weight [V_local, H] (contiguous, their
@@ -192,6 +194,7 @@ at::Tensor linear_entry(const at::Tensor& hidden, const at::Tensor& weight,
                         bool sequence_parallel, int64_t ignore_index, double label_smoothing,
                         double z_loss, double softcap, c10::string_view reduction,
                         int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
-                        double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes);
+                        double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes,
+                        c10::string_view schedule);
 
 }  // namespace xent::torch::detail

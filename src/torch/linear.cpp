@@ -30,7 +30,8 @@ namespace detail {
 
 LinearArgs LinearArgs::of(const LinearCrossEntropyOptions& o) {
   return {o.sequence_parallel, o.chunk_rows,
-          o.max_scratch_bytes != 0 ? o.max_scratch_bytes : o.max_chunk_bytes};
+          o.max_scratch_bytes != 0 ? o.max_scratch_bytes : o.max_chunk_bytes,
+          o.schedule == LinearSchedule::automatic ? "auto" : xent::to_string(o.schedule)};
 }
 
 namespace {
@@ -55,8 +56,13 @@ LinearOptions LinearArgs::options(bool cuda) const {
              ": must be >= 1, or 0 (rows per chunk from the budget)");
   XENT_CHECK(max_scratch_bytes >= 0, "max_scratch_bytes = ", max_scratch_bytes,
              ": must be >= 0 (0: the default budget)");
+  XENT_CHECK(schedule == "auto" || schedule == "fast" || schedule == "lean", "schedule = \"",
+             schedule, "\": must be \"auto\", \"fast\" or \"lean\"");
   static CachingAllocator caching;
   LinearOptions o;
+  o.schedule = schedule == "fast"   ? LinearSchedule::fast
+               : schedule == "lean" ? LinearSchedule::lean
+                                    : LinearSchedule::automatic;
   o.sequence_parallel = sequence_parallel;
   o.chunk_rows = chunk_rows;
   o.max_scratch_bytes = static_cast<size_t>(max_scratch_bytes);
@@ -76,12 +82,12 @@ c10::OperatorHandle linear_op(const char* name) {
 // LinearArgs (the forward and _linear_backward add two bools).
 #define XENT_TAIL_TYPES                                                                          \
   c10::string_view, int64_t, double, double, double, c10::string_view, int64_t, int64_t, double, \
-      bool, int64_t, int64_t
+      bool, int64_t, int64_t, c10::string_view
 using Tail = std::tuple<XENT_TAIL_TYPES>;
 Tail tail(const OpArgs& a, const LinearArgs& l) {
   return {a.group_name, a.ignore_index,      a.label_smoothing, a.z_loss,
           a.softcap,    a.reduction,         a.vocab_start,     a.vocab_size,
-          a.grad_scale, l.sequence_parallel, l.chunk_rows,      l.max_scratch_bytes};
+          a.grad_scale, l.sequence_parallel, l.chunk_rows,      l.max_scratch_bytes, l.schedule};
 }
 
 }  // namespace
@@ -285,11 +291,12 @@ at::Tensor linear_entry(const at::Tensor& hidden, const at::Tensor& weight,
                         bool sequence_parallel, int64_t ignore_index, double label_smoothing,
                         double z_loss, double softcap, c10::string_view reduction,
                         int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
-                        double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes) {
+                        double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes,
+                        c10::string_view schedule) {
   return run_linear(hidden, weight, target,
                     OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap,
                                reduction, vocab_start, vocab_size, grad_scale),
-                    LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes},
+                    LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)},
                     parse_grad_mode(std::string(grad_mode)));
 }
 

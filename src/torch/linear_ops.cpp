@@ -129,12 +129,12 @@ LinearForwardOut forward_op(const at::Tensor& hidden, const at::Tensor& weight,
                             int64_t ignore_index, double label_smoothing, double z_loss,
                             double softcap, c10::string_view reduction, int64_t vocab_start,
                             int64_t vocab_size, double grad_scale, bool sequence_parallel,
-                            int64_t chunk_rows, int64_t max_scratch_bytes, bool d_hidden,
-                            bool d_weight) {
+                            int64_t chunk_rows, int64_t max_scratch_bytes,
+                            c10::string_view schedule, bool d_hidden, bool d_weight) {
   const at::OptionalDeviceGuard guard(hidden.device());
   const OpArgs a = OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                               vocab_start, vocab_size, grad_scale);
-  const LinearArgs l{sequence_parallel, chunk_rows, max_scratch_bytes};
+  const LinearArgs l{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)};
   const bool fused = d_hidden || d_weight;
   const Setup s =
       linear_setup(a, hidden, weight, {&target}, fused ? GradMode::fused : GradMode::none);
@@ -164,12 +164,13 @@ LinearGrads backward_op(const at::Tensor& hidden, const at::Tensor& weight,
                         int64_t ignore_index, double label_smoothing, double z_loss, double softcap,
                         c10::string_view reduction, int64_t vocab_start, int64_t vocab_size,
                         double grad_scale, bool sequence_parallel, int64_t chunk_rows,
-                        int64_t max_scratch_bytes, bool d_hidden, bool d_weight) {
+                        int64_t max_scratch_bytes, c10::string_view schedule, bool d_hidden,
+                        bool d_weight) {
   const at::Tensor dh = new_gradient(hidden, d_hidden), dw = new_gradient(weight, d_weight);
   backward_into(dh, dw, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes}, /*fused=*/false);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)}, /*fused=*/false);
   return {dh, dw};
 }
 
@@ -179,16 +180,52 @@ void backward_fused_op(const at::Tensor& d_hidden, const at::Tensor& d_weight,
                        c10::string_view group_name, int64_t ignore_index, double label_smoothing,
                        double z_loss, double softcap, c10::string_view reduction,
                        int64_t vocab_start, int64_t vocab_size, double grad_scale,
-                       bool sequence_parallel, int64_t chunk_rows, int64_t max_scratch_bytes) {
+                       bool sequence_parallel, int64_t chunk_rows, int64_t max_scratch_bytes,
+                       c10::string_view schedule) {
   backward_into(d_hidden, d_weight, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes}, /*fused=*/true);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)}, /*fused=*/true);
+}
+
+// The plan _linear_forward (d_hidden or d_weight: fused) would take for these arguments, as
+// [schedule (0 fast, 1 lean), budget, scratch bytes, chunk rows, chunk columns, chunks]; a
+// collective as the forward is, computing nothing.
+std::vector<int64_t> plan_op(const at::Tensor& hidden, const at::Tensor& weight,
+                             const at::Tensor& target, c10::string_view group_name,
+                             int64_t ignore_index, double label_smoothing, double z_loss,
+                             double softcap, c10::string_view reduction, int64_t vocab_start,
+                             int64_t vocab_size, double grad_scale, bool sequence_parallel,
+                             int64_t chunk_rows, int64_t max_scratch_bytes,
+                             c10::string_view schedule, bool d_hidden, bool d_weight) {
+  const at::OptionalDeviceGuard guard(hidden.device());
+  const OpArgs a = OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
+                              vocab_start, vocab_size, grad_scale);
+  const LinearArgs l{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)};
+  const bool fused = d_hidden || d_weight;
+  const Setup s =
+      linear_setup(a, hidden, weight, {&target}, fused ? GradMode::fused : GradMode::none);
+  LinearOutputs out;
+  // The gradients' shapes and dtypes, as forward's would be (linear_plan reads no data).
+  if (d_hidden) out.d_hidden = matrix_of(hidden);
+  if (d_weight) out.d_weight = matrix_of(weight);
+  LinearPlan p;
+  core_call([&] {
+    p = xent::linear_plan(s.group, matrix_of(hidden), matrix_of(weight), targets_of(target), s.opt,
+                          l.options(hidden.is_cuda()), out);
+  });
+  return {p.schedule == LinearSchedule::lean ? 1 : 0,
+          static_cast<int64_t>(p.budget),
+          static_cast<int64_t>(p.scratch_bytes),
+          p.chunk_rows,
+          p.chunk_cols,
+          p.chunks};
 }
 
 }  // namespace
 
 void register_linear_kernels(::torch::Library& m) {
+  m.impl("_linear_plan", &plan_op);
   m.impl("_linear_forward", &forward_op);
   m.impl("_linear_backward", &backward_op);
   m.impl("_linear_backward_fused", &backward_fused_op);

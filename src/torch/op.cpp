@@ -116,8 +116,10 @@ TORCH_LIBRARY(xent, m) {
       "bool sequence_parallel=False, int ignore_index=-100, float label_smoothing=0.0, "
       "float z_loss=0.0, float softcap=0.0, str reduction=\"mean\", int vocab_start=-1, "
       "int vocab_size=-1, str grad_mode=\"fused\", float grad_scale=1.0, int chunk_rows=0, "
-      "int max_scratch_bytes=0) -> Tensor");
+      "int max_scratch_bytes=0, str schedule=\"auto\") -> Tensor");
   // Internal: hidden [rows, H], weight [V_local, H], target [rows].
+  m.def("_linear_plan(Tensor hidden, Tensor weight, Tensor target, " XENT_OP_ARGS_SCHEMA
+        ", " XENT_LINEAR_ARGS_SCHEMA ", bool d_hidden, bool d_weight) -> int[]");
   m.def("_linear_forward(Tensor hidden, Tensor weight, Tensor target, " XENT_OP_ARGS_SCHEMA
         ", " XENT_LINEAR_ARGS_SCHEMA
         ", bool d_hidden, bool d_weight) -> (Tensor, Tensor, Tensor, Tensor)");

@@ -11,7 +11,9 @@ Covered:
     weight made NaN after forward cannot reach them), any other grad_output recomputes; fused
     and deferred give the same bits; a second backward (retain_graph) recomputes; the gradients
     are differentiable once only;
-  * chunks (chunk_rows, max_chunk_bytes): the same loss bits, exact gradients; frozen inputs,
+  * both schedules (fast, lean) in every case of the float64 comparison; chunks (chunk_rows, a
+    budget that splits lean's vocabulary): the same loss bits, exact gradients; the plan
+    (linear_cross_entropy_plan) within its budget, the schedule asked for; frozen inputs,
     no_grad, grad_mode "none"; leading dimensions, strided and transposed hidden, a row-strided
     weight, int32 targets; a padded vocabulary (vocab_size);
   * torch.compile(fullgraph=True) of a training step against eager (no graph break), and
@@ -134,17 +136,18 @@ def check_all(got, want, dtype):
 # ------------------------------------------------------------------------------ one rank
 
 
+@pytest.mark.parametrize("schedule", ["fast", "lean"])
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_matches_float64(dtype, reduction, variant, grad_mode):
+def test_matches_float64(dtype, reduction, variant, grad_mode, schedule):
     """A grad_output that is not 1 (2.5, or per token): fused recomputes, deferred computes."""
     dt, options = DTYPES[dtype], VARIANTS[variant]
     hidden, weight, target = inputs(dt, seed=1)
     go = grad_output_for(reduction)
     got = xent_call(hidden, weight, target, go, reduction=reduction, grad_mode=grad_mode,
-                    **options)
+                    schedule=schedule, **options)
     check_all(got, reference(hidden, weight, target, go, reduction, **options), dt)
 
 
@@ -193,10 +196,11 @@ def test_fused_equals_deferred(dtype, reduction, grad_output):
 
 
 @pytest.mark.parametrize("chunks", [dict(chunk_rows=1), dict(chunk_rows=5),
-                                    dict(max_chunk_bytes=8 * V * 3)])
+                                    dict(max_chunk_bytes=1 << 26)])
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 def test_chunks(grad_mode, chunks):
-    """Chunks of 1, 5 and 3 rows: the loss is the same bits, the gradients exact."""
+    """Chunks of 1 and 5 rows, and of a budget by its former name: the loss is the same bits, the
+    gradients exact."""
     dt = torch.bfloat16
     hidden, weight, target = inputs(dt, seed=4)
     go = torch.tensor(2.5)
@@ -205,6 +209,42 @@ def test_chunks(grad_mode, chunks):
                     **chunks)
     assert torch.equal(got[0], whole[0])
     check_all(got, reference(hidden, weight, target, go, "mean", label_smoothing=0.1), dt)
+
+
+@pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
+def test_lean_in_chunks_of_the_vocabulary(grad_mode):
+    """A budget of three quarters of what lean takes in one chunk of the vocabulary: several
+    chunks, within the budget, the plan saying so; the loss and gradients against float64."""
+    import xent
+    dt = torch.bfloat16
+    hidden, weight, target = inputs(dt, seed=9)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    whole = xent.linear_cross_entropy_plan(h, w, target, schedule="lean", grad_mode=grad_mode)
+    assert whole["schedule"] == "lean" and whole["chunks"] == 1, whole
+    budget = whole["scratch_bytes"] * 3 // 4
+    plan = xent.linear_cross_entropy_plan(h, w, target, schedule="lean", grad_mode=grad_mode,
+                                          max_scratch_bytes=budget)
+    assert plan["chunks"] > 1 and plan["chunk_cols"] < V, plan
+    assert plan["budget"] == budget and plan["scratch_bytes"] <= budget, plan
+    go = torch.tensor(2.5)
+    got = xent_call(hidden, weight, target, go, label_smoothing=0.1, grad_mode=grad_mode,
+                    schedule="lean", max_scratch_bytes=budget)
+    check_all(got, reference(hidden, weight, target, go, "mean", label_smoothing=0.1), dt)
+
+
+def test_plan_default_and_asked():
+    """The default budget (at least 64 MiB) holds fast's one chunk at these sizes; asked-for
+    schedules are taken; every plan stays within its budget."""
+    import xent
+    hidden, weight, target = inputs(torch.float32, seed=2)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    default = xent.linear_cross_entropy_plan(h, w, target)
+    assert default["schedule"] == "fast" and default["budget"] >= 64 << 20, default
+    for schedule in ("fast", "lean"):
+        p = xent.linear_cross_entropy_plan(h, w, target, schedule=schedule)
+        assert p["schedule"] == schedule and p["scratch_bytes"] <= p["budget"], p
+    assert set(default) == {"schedule", "budget", "scratch_bytes", "chunk_rows", "chunk_cols",
+                            "chunks"}
 
 
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
@@ -333,7 +373,7 @@ def test_compile_fullgraph(grad_mode, backward_in_graph):
 
 def _op_args(reduction, grad_scale, chunk_rows=0):
     return ("", IGNORE, 0.1, 1e-3, 0.0, reduction, -1, -1, grad_scale, False, chunk_rows,
-            1 << 20)
+            1 << 26, "auto")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -379,8 +419,12 @@ BAD = {  # name -> (changes to the call, what the error says)
                             "grad_scale = 0.5 with grad_mode = deferred"),
     "label_smoothing": (dict(label_smoothing=1.0), "label_smoothing = 1: must be in [0, 1)"),
     "chunk_rows": (dict(chunk_rows=-1), "chunk_rows = -1: must be >= 1, or 0"),
-    "max_chunk_bytes": (dict(max_chunk_bytes=0), "max_chunk_bytes = 0: must be > 0"),
-    "max_chunk_bytes_row": (dict(max_chunk_bytes=8), "max_chunk_bytes = 8: must hold at least"),
+    "max_scratch_bytes": (dict(max_scratch_bytes=-1), "max_scratch_bytes = -1: must be >= 0"),
+    "max_scratch_bytes_small": (dict(max_scratch_bytes=8),
+                                "max_scratch_bytes = 8: too small for either schedule"),
+    "max_chunk_bytes_small": (dict(max_chunk_bytes=8),
+                              "max_chunk_bytes = 8: too small for either schedule"),
+    "schedule": (dict(schedule="slow"), 'schedule = "slow": must be "auto", "fast" or "lean"'),
     "vocab_size": (dict(vocab_size=V + 1), f"vocab_size = {V + 1}: must be in [1, {V}]"),
 }
 

@@ -51,20 +51,19 @@ def test_matches_float64(dtype, reduction, variant, grad_mode, chunk_rows):
     assert excess(dw, want[2], want[4], DTYPES[dtype]) <= 0.5, "d_weight"
 
 
-@pytest.mark.parametrize("chunk_rows", [0, 200])
+@pytest.mark.parametrize("chunk_rows", [0, 600])
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])
 def test_rows_past_one_sub_chunk(grad_mode, chunk_rows):
-    """300 rows of bfloat16: chunks of several of the CUDA backend's sub-chunks of fp32 logits
-    (src/linear/plan.h, max_chunk_bytes = 81920, 77 columns: sub-chunks of 128 rows, in chunks of
-    200 rows or of 256 and 44 of max_chunk_bytes' choosing), a per-token grad_output
-    across their seams."""
-    rows = (300,)
+    """1100 rows of bfloat16: chunks of several of the CUDA backend's sub-chunks of fp32 logits
+    (src/linear/plan.h: the fast schedule's sub-chunks of 512 rows; one chunk of every row, or
+    chunks of 600), a per-token grad_output across their seams."""
+    rows = (1100,)
     hidden, weight, target = inputs(torch.bfloat16, seed=6, rows=rows)
     go = torch.rand(rows, generator=torch.Generator().manual_seed(7)) + 0.5
     want = reference(hidden, weight, target, go, "none")
     loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), go.cuda(),
                              reduction="none", grad_mode=grad_mode, chunk_rows=chunk_rows,
-                             max_chunk_bytes=81920)
+                             schedule="fast")
     torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
     assert excess(dh, want[1], want[3], torch.bfloat16) <= 0.5, "d_hidden"
     assert excess(dw, want[2], want[4], torch.bfloat16) <= 0.5, "d_weight"
@@ -81,11 +80,10 @@ def test_wide_rows(dtype, grad_mode, vocab):
     hidden, weight, target = inputs(DTYPES[dtype], seed=8, vocab=vocab)
     target.view(-1)[target.view(-1) >= vocab - 9] = 0
     want = reference(hidden, weight[: vocab - 9], target, torch.tensor(1.0), "mean")
-    # 5001 columns in sub-chunks of 7 rows: a 16-bit gradient row at element 7 k x 5001 of its
-    # buffer, where a pack of 4 cannot always be one store.
-    chunk = {"max_chunk_bytes": 7 * 4 * vocab} if vocab == 5001 else {}
+    # (Sub-chunks of 7 rows, a 16-bit gradient row at element 7 k x 5001 of its buffer where a
+    # pack of 4 cannot always be one store: tests/test_linear.cpp's WideRowsSinglePass.)
     loss, dh, dw = xent_call(hidden.cuda(), weight.cuda(), target.cuda(), None,
-                             vocab_size=vocab - 9, grad_mode=grad_mode, **chunk)
+                             vocab_size=vocab - 9, grad_mode=grad_mode)
     torch.testing.assert_close(loss.cpu().double(), want[0], rtol=1e-5, atol=1e-6)
     assert excess(dh, want[1], want[3], DTYPES[dtype]) <= 0.5, "d_hidden"
     assert excess(dw[: vocab - 9], want[2], want[4], DTYPES[dtype]) <= 0.5, "d_weight"
@@ -120,3 +118,28 @@ def test_padded_vocabulary_and_cpu_agree():
     torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=2e-6, atol=0)
     assert torch.equal(out["cuda"][1][77:], torch.zeros(3, H))
     torch.testing.assert_close(out["cuda"][1][:77], out["cpu"][1][:77], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["fast", "lean"])
+def test_scratch_from_the_caching_allocator(schedule):
+    """The call's scratch comes from PyTorch's caching allocator (max_memory_allocated sees it,
+    at least the plan's scratch_bytes beyond the outputs), stays within the budget, and nothing
+    of it is held after the call (memory_allocated back to its level with the outputs alone)."""
+    import xent
+    hidden, weight, target = inputs(torch.bfloat16, seed=11, rows=(2048,), vocab=6000)
+    h = hidden.cuda().requires_grad_()
+    w = weight.cuda().requires_grad_()
+    t = target.cuda()
+    plan = xent.linear_cross_entropy_plan(h, w, t, schedule=schedule)
+    assert plan["schedule"] == schedule and plan["scratch_bytes"] <= plan["budget"], plan
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = xent.linear_cross_entropy(h, w, t, schedule=schedule)
+    torch.cuda.synchronize()
+    outputs = h.numel() * 2 + w.numel() * 2 + 2 * h.shape[0] * 4 + 64 * 1024  # grads, lse, loss
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak >= plan["scratch_bytes"], (peak, plan)
+    assert peak <= plan["budget"] + outputs + (1 << 20), (peak, plan)
+    assert torch.cuda.memory_allocated() - before <= outputs, "scratch held after the call"
+    loss.backward()
