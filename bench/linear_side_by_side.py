@@ -1,24 +1,56 @@
-"""The lm head and its loss on one rank, side by side (issue 30's table, xent's fused row added).
+"""The lm head and its loss on one rank, side by side (issues 30 and 38: schedules and peers).
 
     python3 bench/linear_side_by_side.py --json out.json
+    # the peers from wheels (quack-kernels 0.6.5, nvidia-cutlass-dsl 4.7.1 with its cu13 libraries,
+    # liger-kernel 0.8.5, cut-cross-entropy 25.1.1): pip first, then the libraries' files over it
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site/site-packages WHEELS... \\
+        && tar -xJf nvidia_cutlass_dsl_libs_cu13-4.7.1-*.tar.xz -C /tmp/site/site-packages
+    PYTHONPATH=/tmp/site/site-packages python3 bench/linear_side_by_side.py --vocab 128256
     python3 bench/linear_side_by_side.py --device cpu --tokens 64 --hidden 32 --vocab 100 \\
         --iters 2 --warmup 1                                   # smoke test, no GPU
 
-Inputs per vocabulary width V: hidden h [T, H] ~ N(0, 1) and weight W [V, H] ~ N(0, 4 / H) (the
-logits' std is about 2), both leaves that require grad, in --dtype; targets y [T] uniform in
-[0, V). A step is forward + backward of the mean loss, producing d_hidden (dH) and d_weight (dW):
+Inputs per vocabulary width V: hidden h [T, H] ~ N(0, 1) and weight W [V, H] ~ N(0, s^2 / H),
+s = --logit-std (default 2), both leaves that require grad, in --dtype; targets y [T] uniform in
+[0, V). The logits h @ W.T are then ~N(0, s^2), independent across the vocabulary, in every row,
+and the target is an ordinary column (not favoured): the printout states s, the logits' measured
+std and the share of softmax probabilities at or above CCE's gradient filter (its "high"
+filter_eps, the dtype's eps / 32: 2^-12 in bf16), since CCE's time depends on it.
+A step is forward + backward of the mean loss, producing d_hidden (dH) and d_weight (dW):
   gemm3          the three matmuls alone, no autograd: logits = h @ W.T, dH = G @ W,
                  dW = G.T @ h, with G a preallocated random [T, V] tensor of --dtype: the
                  compute floor
   torch          F.cross_entropy((h @ W.T).float(), y)
-  torch + xent   logits = h @ W.T, then xent.vocab_parallel_cross_entropy(logits, y,
+  torch + xent (inplace_grad)
+                 logits = h @ W.T, then xent.vocab_parallel_cross_entropy(logits, y,
                  inplace_grad=True) (the gradient of the logits is written over them)
-  xent fused     xent.linear_cross_entropy(h, W, y, max_chunk_bytes=--max-chunk-mib)
-  xent deferred  the same with grad_mode="deferred" (the gradients recomputed in backward)
-  liger          liger_kernel's liger_fused_linear_cross_entropy(h, W, y), its defaults
-  cce            cut_cross_entropy.linear_cross_entropy(h, W, y), its defaults (impl "cce",
-                 filter_eps "high": gradient entries below the threshold are skipped)
-liger and cce are skipped on CPU, and say "not installed" where their package is missing.
+  xent default   xent.linear_cross_entropy(h, W, y, max_scratch_bytes=0, grad_mode=--grad-mode):
+                 the default budget, the largest of an eighth of the bf16 logits, what the lean
+                 schedule needs and 64 MiB (at 8192 tokens and hidden 4096: the lean schedule)
+  xent fast (4 GiB budget)
+                 the same with max_scratch_bytes = --fast-budget-mib (default 4 GiB): the plan
+                 takes the fast schedule (three GEMMs, an fp32 d_weight accumulator) where it fits
+                 (docs/linear.md, "Schedules and the budget")
+  quack (chunk 8192)
+                 quack-kernels' quack.linear_cross_entropy.chunked_linear_cross_entropy(h, W, y,
+                 chunk_size=--quack-chunk): CuTe DSL (nvidia-cutlass-dsl); chunk 8192 by default,
+                 since at hidden 4096 chunk 4096 fails ("m == n ambiguous"). It must be installed
+                 in a folder whose path holds "site-packages" (it fingerprints the code of any
+                 module outside one): pip install --target <dir>/site-packages
+  liger          Liger-Kernel's liger_kernel.transformers.functional.
+                 liger_fused_linear_cross_entropy(h, W, y), its defaults (Triton)
+  liger cutedsl sm90
+                 Liger-Kernel's CuTe DSL Hopper kernel, liger_kernel.ops.cutedsl.ops.
+                 fused_linear_cross_entropy_sm90.liger_fused_linear_cross_entropy_sm90(h, W, y):
+                 compute capability 9.0, bf16, T % 128 == 0 and V % 256 == 0 only (elsewhere it
+                 raises and the row prints why); it writes the bf16 logits [T, V] in full
+  cce (logits ~N(0, s^2))
+                 Apple's cut_cross_entropy.linear_cross_entropy(h, W, y), its defaults (impl "cce",
+                 filter_eps "high": gradient blocks whose entries are all below the threshold are
+                 skipped, so its time depends on the logits' distribution, stated in its name)
+quack, liger, liger cutedsl sm90 and cce are skipped on CPU; a row whose package does not import
+prints "n/a (why)", and the script goes on. pip install --target leaves the .pth files of that
+folder unprocessed when it is only on PYTHONPATH (CuTe DSL puts its `cutlass` package on sys.path
+through one): this script processes the .pth files of the PYTHONPATH folders as a site folder's.
 
 Metrics per row:
   ms        the median over --iters steps (after --warmup) of each step alone, timed by CUDA
@@ -31,26 +63,35 @@ Metrics per row:
             logit at the copy bandwidth (a device-to-device copy of 1 GiB, 64 MiB on CPU, best
             of 10, bytes read and written): fp32 logits written, read once and their 16-bit
             gradient written (docs/linear.md, "The floor of an exact step")
-  extra     torch.cuda.max_memory_allocated() during one step (after reset_peak_memory_stats)
-            minus torch.cuda.memory_allocated() just before it, measured with the inputs (and
-            for gemm3, G) allocated and h.grad = W.grad = None. So dH and dW, which every row
-            must produce, count in every row alike: "dH+dW MiB" is their size, to subtract.
-            For gemm3 it is the logits plus dH and dW. "n/a" on CPU. xent's own buffers
-            (chunks, the fp32 d_weight accumulator, cuBLASLt's workspace: cudaMalloc'd and
-            kept by its group between calls) are outside torch's allocator: for the xent rows
-            the device memory in use outside it after the step, over what it was at the start
-            of the run (cudaMemGetInfo less torch's reserved memory), is added.
+  extra     one definition for every row: torch.cuda.max_memory_allocated() during one step
+            (after reset_peak_memory_stats), minus torch.cuda.memory_allocated() just before it
+            (the inputs h, W, y allocated, and gemm3's G; h.grad = W.grad = None), minus the bytes
+            of dH and dW, which every row must produce and keep ("dH+dW MiB" in the notes). So
+            it is the scratch a step takes beyond its inputs and its two gradients (for gemm3,
+            the logits). xent's scratch comes from PyTorch's caching allocator, so it is in it
+            like every peer's. The JSON keeps the peak with dH and dW in it ("peak_mib").
+            "n/a" on CPU.
+  outside   device memory in use outside PyTorch's caching allocator ((total - free) of
+            torch.cuda.mem_get_info() less torch.cuda.memory_reserved()) after the measured
+            step, minus the same before the row's first call: module loads, a library's own
+            cudaMalloc. Shown for every row, added to none ("n/a" on CPU).
+  xent plan for the xent rows, what xent.linear_cross_entropy_plan says of the same call: the
+            schedule (fast or lean), the scratch it takes of its budget, its chunks ("n/a (why)"
+            where the installed xent lacks the function); also in the JSON ("plan")
   errors    against float64 on the same device (rows of the logits in chunks of about 1 GiB,
             so it fits beside the float64 copies of W and dW, 3 x V x H x 8 bytes in all):
             the loss's absolute error, and ||x - ref||_F / ||ref||_F for dH and dW, from the
             step whose memory was measured. --no-reference skips it. None for gemm3.
-A row that raises (out of memory, a backend that lacks the op) prints the error instead.
+A row that raises (out of memory, a shape a kernel refuses) prints "error: " and the exception.
+--only takes row names, or their part before " (": --only "xent default,xent fast,quack".
 --json OUT writes the environment and every row.
 """
 
 import argparse
 import importlib.metadata
 import json
+import os
+import site
 import statistics
 import sys
 import time
@@ -64,29 +105,82 @@ import xent  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 MIB = float(1 << 20)
+PEERS = ("quack", "liger", "liger cutedsl sm90", "cce")
+PACKAGES = ("quack-kernels", "nvidia-cutlass-dsl", "liger-kernel", "cut-cross-entropy", "triton")
 
 
-def optional(cuda):
-    """name -> fused linear cross-entropy fn(h, W, y) or the reason it is missing."""
-    out = {}
-    if not cuda:
-        return {"liger": "skipped on CPU", "cce": "skipped on CPU"}
-    try:
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-        out["liger"] = lambda h, w, y: liger_fused_linear_cross_entropy(h, w, y)
-    except ImportError:
+def why(e):
+    """An exception in one line: what a row prints instead of its numbers."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+
+
+def process_pythonpath_pth():
+    """pip install --target DIR puts no DIR on sys.path as a site folder: where DIR is only on
+    PYTHONPATH, its .pth files are not read. CuTe DSL's wheel puts its `cutlass` package on
+    sys.path through one (nvidia_cutlass_dsl_packages.pth): read them as a site folder's."""
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         try:
+            if entry and any(n.endswith(".pth") for n in os.listdir(entry)):
+                site.addsitedir(entry)
+        except OSError:
+            continue
+
+
+def in_site_packages(module):
+    name = os.path.abspath(getattr(module, "__file__", None) or "")
+    return any(f"{os.sep}{d}{os.sep}" in name for d in ("site-packages", "dist-packages"))
+
+
+def optional(cuda, args):
+    """name -> the peers' fused linear cross-entropy fn(h, W, y), or "n/a (why)"."""
+    if not cuda:
+        return {name: "n/a (skipped on CPU)" for name in PEERS}
+    process_pythonpath_pth()
+    out = {}
+    try:
+        import cutlass
+        if not in_site_packages(cutlass):
+            raise ImportError(f"cutlass in {os.path.dirname(cutlass.__file__)}: quack needs it "
+                              "in a site-packages folder (pip install --target DIR/site-packages)")
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+        chunk = args.quack_chunk
+        out["quack"] = lambda h, w, y: chunked_linear_cross_entropy(h, w, y, chunk_size=chunk)
+    except Exception as e:  # noqa: BLE001 - not only ImportError: CuTe DSL checks the driver
+        out["quack"] = f"n/a ({why(e)})"
+    try:
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            out["liger"] = lambda h, w, y: liger_fused_linear_cross_entropy(h, w, y)
+        except ImportError:  # an older Liger-Kernel: the module, whose order is (W, h, y)
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
             module = LigerFusedLinearCrossEntropyLoss()
-            out["liger"] = lambda h, w, y: module(w, h, y)  # its order: (weight, input, target)
-        except ImportError:
-            out["liger"] = "not installed"
+            out["liger"] = lambda h, w, y: module(w, h, y)
+    except Exception as e:  # noqa: BLE001
+        out["liger"] = f"n/a ({why(e)})"
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import (
+            liger_fused_linear_cross_entropy_sm90)
+        out["liger cutedsl sm90"] = liger_fused_linear_cross_entropy_sm90
+    except Exception as e:  # noqa: BLE001
+        out["liger cutedsl sm90"] = f"n/a ({why(e)})"
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
         out["cce"] = lambda h, w, y: cce(h, w, y)
-    except ImportError:
-        out["cce"] = "not installed"
+    except Exception as e:  # noqa: BLE001
+        out["cce"] = f"n/a ({why(e)})"
     return out
+
+
+def budget_name(mib):
+    return f"{mib / 1024:g} GiB" if mib >= 1024 else f"{mib:g} MiB"
+
+
+def peer_name(peer, args):
+    if peer == "quack":
+        return f"quack (chunk {args.quack_chunk})"
+    if peer == "cce":
+        return f"cce (logits ~N(0, {args.logit_std:g}^2))"
+    return peer
 
 
 def gemm3(h, w, g):
@@ -99,8 +193,9 @@ def gemm3(h, w, g):
 
 
 def rows(h, w, y, args, extra):
-    """name -> step() returning (loss or None, dH, dW), or a string: why the row is absent
-    (gemm3's entry is None: main() makes its G and step)."""
+    """(name -> step() returning (loss or None, dH, dW), or a string: why the row is absent
+    (gemm3's entry is None: main() makes its G and step); xent's row name -> its
+    max_scratch_bytes)."""
     def autograd(loss_fn):
         def step():
             loss = loss_fn()
@@ -108,19 +203,39 @@ def rows(h, w, y, args, extra):
             return loss.detach(), h.grad, w.grad
         return step
 
-    chunk = {} if args.max_chunk_mib is None else {"max_chunk_bytes": int(args.max_chunk_mib * MIB)}
+    mode = args.grad_mode
+    fast = int(args.fast_budget_mib * MIB)
+    fast_row = f"xent fast ({budget_name(args.fast_budget_mib)} budget)"
     out = {
         "gemm3": None,
         "torch": autograd(lambda: F.cross_entropy((h @ w.T).float(), y)),
-        "torch + xent": autograd(
+        "torch + xent (inplace_grad)": autograd(
             lambda: xent.vocab_parallel_cross_entropy(h @ w.T, y, inplace_grad=True)),
-        "xent fused": autograd(lambda: xent.linear_cross_entropy(h, w, y, **chunk)),
-        "xent deferred": autograd(
-            lambda: xent.linear_cross_entropy(h, w, y, grad_mode="deferred", **chunk)),
+        "xent default": autograd(
+            lambda: xent.linear_cross_entropy(h, w, y, grad_mode=mode, max_scratch_bytes=0)),
+        fast_row: autograd(
+            lambda: xent.linear_cross_entropy(h, w, y, grad_mode=mode, max_scratch_bytes=fast)),
     }
-    for name, fn in extra.items():
-        out[name] = fn if isinstance(fn, str) else autograd(lambda fn=fn: fn(h, w, y))
-    return out
+    for peer in PEERS:
+        fn = extra[peer]
+        out[peer_name(peer, args)] = fn if isinstance(fn, str) else autograd(
+            lambda fn=fn: fn(h, w, y))
+    return out, {"xent default": 0, fast_row: fast}
+
+
+def xent_plan(h, w, y, args, budget):
+    """The schedule, scratch and chunks xent.linear_cross_entropy_plan reports for the row's
+    call, or "n/a (why)" (a build without the function)."""
+    plan_fn = getattr(xent, "linear_cross_entropy_plan", None)
+    if plan_fn is None:
+        return "n/a (no xent.linear_cross_entropy_plan)"
+    try:
+        p = plan_fn(h, w, y, grad_mode=args.grad_mode, max_scratch_bytes=budget)
+    except Exception as e:  # noqa: BLE001 - a library older than the Python package
+        return f"n/a ({why(e)})"
+    return (f"{p['schedule']}, scratch {p['scratch_bytes'] / MIB:.1f} of "
+            f"{p['budget'] / MIB:.1f} MiB, {p['chunks']} chunks of {p['chunk_rows']} rows x "
+            f"{p['chunk_cols']} cols")
 
 
 def reference(h, w, y):
@@ -145,6 +260,16 @@ def reference(h, w, y):
     return loss / tokens, d_hidden, d_weight
 
 
+def logits_distribution(h, w, dtype):
+    """The logits' measured std and the share of softmax probabilities >= CCE's gradient filter
+    (filter_eps "high": the dtype's eps / 32), over up to 256 rows."""
+    with torch.no_grad():
+        logits = h[:256].float() @ w.float().T
+        probs = torch.softmax(logits, -1)
+        eps = torch.finfo(dtype).eps / 32
+        return logits.std().item(), (probs >= eps).double().mean().item(), eps
+
+
 def rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
@@ -155,18 +280,15 @@ def sync(cuda):
 
 
 def outside_torch():
-    """Device memory in use outside torch's caching allocator (xent's own buffers among it)."""
+    """Device memory in use outside PyTorch's caching allocator."""
     free, total = torch.cuda.mem_get_info()
     return total - free - torch.cuda.memory_reserved()
 
 
-OUTSIDE_AT_START = None
-
-
-def measure(step, h, w, args, cuda, ref, own_buffers=False, paired=None):
-    """{"ms", "extra_mib", "loss_err", "dh_err", "dw_err", "paired_ms"} of one row; own_buffers:
-    the row's library allocates outside torch (xent), counted in extra; paired: a step timed
-    after each of the row's (gemm3's), its median in "paired_ms"."""
+def measure(step, h, w, args, cuda, ref, grads_bytes, paired=None):
+    """{"ms", "extra_mib", "peak_mib", "outside_mib", "loss_err", "dh_err", "dw_err",
+    "paired_ms"} of one row; grads_bytes: the bytes of dH and dW, taken off the peak; paired: a
+    step timed after each of the row's (gemm3's), its median in "paired_ms"."""
     def clear():
         h.grad = None
         w.grad = None
@@ -188,22 +310,26 @@ def measure(step, h, w, args, cuda, ref, own_buffers=False, paired=None):
         del out
         return ms
 
+    res = {"extra_mib": None, "peak_mib": None, "outside_mib": None, "loss_err": None,
+           "dh_err": None, "dw_err": None}
+    clear()
+    sync(cuda)
+    outside0 = outside_torch() if cuda else None
     for _ in range(args.warmup):
         clear()
         out = step()
         del out
     clear()
     sync(cuda)
-    res = {"extra_mib": None, "loss_err": None, "dh_err": None, "dw_err": None}
     if cuda:
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     loss, d_hidden, d_weight = step()
     sync(cuda)
     if cuda:
-        res["extra_mib"] = (torch.cuda.max_memory_allocated() - before) / MIB
-        if own_buffers:
-            res["extra_mib"] += (outside_torch() - OUTSIDE_AT_START) / MIB
+        res["peak_mib"] = (torch.cuda.max_memory_allocated() - before) / MIB
+        res["extra_mib"] = res["peak_mib"] - grads_bytes / MIB
+        res["outside_mib"] = (outside_torch() - outside0) / MIB
     if ref is not None and loss is not None:
         res["loss_err"] = abs(loss.double().item() - ref[0].item())
         res["dh_err"] = rel_err(d_hidden, ref[1])
@@ -238,8 +364,13 @@ def fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
+def selected(row, only):
+    return only is None or row == "gemm3" or row in only or row.split(" (")[0] in only
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split(
+        "\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, action="append",
                     help="vocabulary width per rank (repeatable; 16032, 64128, 128256)")
     ap.add_argument("--tokens", type=int, default=8192)
@@ -247,11 +378,18 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--max-chunk-mib", type=float, default=None,
-                    help="xent.linear_cross_entropy's max_chunk_bytes in MiB (its default)")
+    ap.add_argument("--logit-std", type=float, default=2.0,
+                    help="s: W ~ N(0, s^2 / H), so the logits are ~N(0, s^2) (default 2)")
+    ap.add_argument("--grad-mode", choices=("fused", "deferred"), default="fused",
+                    help="the xent rows' grad_mode")
+    ap.add_argument("--fast-budget-mib", type=float, default=4096,
+                    help="max_scratch_bytes of the 'xent fast' row in MiB (default 4096)")
+    ap.add_argument("--quack-chunk", type=int, default=8192,
+                    help="quack's chunk_size (default 8192; at hidden 4096, 4096 fails)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-reference", action="store_true", help="skip the float64 errors")
-    ap.add_argument("--only", default="", help="comma-separated row names (gemm3 always runs)")
+    ap.add_argument("--only", default="", help="comma-separated row names, or their part "
+                    "before ' (' (gemm3 always runs)")
     ap.add_argument("--json", default="", metavar="OUT")
     args = ap.parse_args()
     vocabs = args.vocab or [16032, 64128, 128256]
@@ -260,38 +398,44 @@ def main():
     if cuda:
         torch.cuda.set_device(torch.device(device).index or 0)
         torch.cuda.init()
-        global OUTSIDE_AT_START
-        OUTSIDE_AT_START = outside_torch()
     dtype = DTYPES[args.dtype]
-    extra = optional(cuda)
+    extra = optional(cuda, args)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     env = dict(device=name, dtype=args.dtype, tokens=args.tokens, hidden=args.hidden,
-               iters=args.iters, warmup=args.warmup, max_chunk_mib=args.max_chunk_mib,
-               torch=torch.__version__, xent_library=xent.library_path())
-    for pkg in ("liger_kernel", "cut_cross_entropy", "triton"):
+               iters=args.iters, warmup=args.warmup, logit_std=args.logit_std,
+               grad_mode=args.grad_mode, fast_budget_mib=args.fast_budget_mib,
+               quack_chunk=args.quack_chunk, torch=torch.__version__,
+               xent_library=xent.library_path(),
+               peers={k: (v if isinstance(v, str) else "ok") for k, v in extra.items()})
+    for pkg in PACKAGES:
         try:
-            env[pkg] = importlib.metadata.version(pkg.replace("_", "-"))
+            env[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             env[pkg] = None
     print(f"# linear_side_by_side.py: {name}, {args.dtype}, mean, {args.tokens} tokens, hidden "
-          f"{args.hidden}, one rank, torch {torch.__version__}, liger {env['liger_kernel']}, "
-          f"cce {env['cut_cross_entropy']}; median of {args.iters} steps after {args.warmup}",
-          flush=True)
+          f"{args.hidden}, one rank, torch {torch.__version__}, "
+          + ", ".join(f"{pkg} {env[pkg]}" for pkg in PACKAGES[:-1])
+          + f"; xent grad_mode {args.grad_mode}; median of {args.iters} steps after "
+          f"{args.warmup}", flush=True)
     bandwidth = copy_bandwidth(device, cuda)
     if cuda:
         torch.cuda.empty_cache()  # the copy's 2 GiB, out of every row's memory
     env["copy_bandwidth_gbps"] = bandwidth / 1e9
     print(f"# copy bandwidth {bandwidth / 1e9:.1f} GB/s (x floor: over gemm3 + 8 bytes a logit "
           "at it)")
+    print("# extra MiB: the step's peak of torch.cuda.max_memory_allocated() over the inputs, "
+          "less dH and dW (every row alike); outside MiB: device memory outside PyTorch's "
+          "allocator, after the step vs before the row's first call (added to none)")
     print("\n| V | row | ms | x gemm3 | x floor | extra MiB | loss abs err | dH rel err | "
-          "dW rel err |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+          "dW rel err | outside MiB | xent plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    only = {r.strip() for r in args.only.split(",") if r.strip()} if args.only else None
     results, notes = [], []
     for vocab in vocabs:
         gen = torch.Generator(device=device).manual_seed(vocab)
         h = torch.randn(args.tokens, args.hidden, device=device, generator=gen).to(dtype)
         w = (torch.randn(vocab, args.hidden, device=device, generator=gen)
-             * (2 * args.hidden ** -0.5)).to(dtype)
+             * (args.logit_std * args.hidden ** -0.5)).to(dtype)
         y = torch.randint(0, vocab, (args.tokens,), device=device, generator=gen)
         h.requires_grad_()
         w.requires_grad_()
@@ -302,30 +446,35 @@ def main():
             except torch.OutOfMemoryError:
                 notes.append(f"V {vocab}: no float64 reference (out of memory)")
         item = torch.empty((), dtype=dtype).element_size()
-        grads_mib = (args.tokens + vocab) * args.hidden * item / MIB
+        grads_bytes = (args.tokens + vocab) * args.hidden * item
+        grads_mib = grads_bytes / MIB
         logits_mib = args.tokens * vocab * item / MIB
-        notes.append(f"V {vocab}: dH+dW {grads_mib:.1f} MiB (counted in every row's extra), "
-                     f"logits in {args.dtype} {logits_mib:.1f} MiB")
-        table = rows(h, w, y, args, extra)
-        only = set(args.only.split(",")) if args.only else None
+        std, share, eps = logits_distribution(h, w, dtype)
+        notes.append(f"V {vocab}: dH+dW {grads_mib:.1f} MiB (taken off every row's extra), "
+                     f"logits in {args.dtype} {logits_mib:.1f} MiB; logits ~N(0, "
+                     f"{args.logit_std:g}^2) (measured std {std:.3f}), softmax probabilities "
+                     f">= {eps:.3g} (CCE's filter_eps 'high'): {share:.2e} of them")
+        table, budgets = rows(h, w, y, args, extra)
         # gemm3's step, with its G, lives through every row: each row's steps alternate with it.
         floor_step = gemm3(h, w, torch.randn(args.tokens, vocab, device=device,
                                              generator=gen).to(dtype))
         for row, step in table.items():
-            if only is not None and row != "gemm3" and row not in only:
+            if not selected(row, only):
                 continue
-            res = dict(vocab=vocab, row=row, ms=None, ratio=None, extra_mib=None, loss_err=None,
-                       dh_err=None, dw_err=None, dhdw_mib=grads_mib, logits_mib=logits_mib,
-                       paired_ms=None, x_floor=None, error=None)
+            res = dict(vocab=vocab, row=row, ms=None, ratio=None, extra_mib=None, peak_mib=None,
+                       outside_mib=None, loss_err=None, dh_err=None, dw_err=None,
+                       dhdw_mib=grads_mib, logits_mib=logits_mib, logits_std=std,
+                       paired_ms=None, x_floor=None, error=None, plan=None)
             try:
-                if isinstance(step, str):  # liger or cce: why it is absent
+                if isinstance(step, str):  # a peer that did not import: "n/a (why)"
                     res["error"] = step
                     step = None
                 elif row == "gemm3":
                     step = floor_step
+                if step is not None and row in budgets:
+                    res["plan"] = xent_plan(h, w, y, args, budgets[row])
                 if step is not None:
-                    res.update(measure(step, h, w, args, cuda, ref,
-                                       own_buffers=row.startswith("xent"),
+                    res.update(measure(step, h, w, args, cuda, ref, grads_bytes,
                                        paired=None if row == "gemm3" else floor_step))
                 if res["ms"] is not None:
                     res["ratio"] = res["ms"] / (res["paired_ms"] or res["ms"])
@@ -333,19 +482,20 @@ def main():
                     floor_ms = res["paired_ms"] + 8 * args.tokens * vocab / bandwidth * 1e3
                     res["x_floor"] = res["ms"] / floor_ms
             except Exception as e:  # noqa: BLE001 - a row that fails is reported, not fatal
-                res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                res["error"] = "error: " + why(e)
             step = None
             h.grad = w.grad = None
             if cuda:
                 torch.cuda.empty_cache()
             results.append(res)
             if res["error"]:
-                print(f"| {vocab} | {row} | {res['error']} | | | | | | |", flush=True)
+                print(f"| {vocab} | {row} | {res['error']} | | | | | | | | |", flush=True)
                 continue
             print(f"| {vocab} | {row} | {res['ms']:.3f} | {fmt(res['ratio'], '.2f')} | "
                   f"{fmt(res['x_floor'], '.2f')} | {fmt(res['extra_mib'], '.1f')} | "
                   f"{fmt(res['loss_err'], '.1e')} | {fmt(res['dh_err'], '.1e')} | "
-                  f"{fmt(res['dw_err'], '.1e')} |", flush=True)
+                  f"{fmt(res['dw_err'], '.1e')} | {fmt(res['outside_mib'], '.1f')} | "
+                  f"{res['plan'] or ''} |", flush=True)
         del h, w, y, ref, table, floor_step  # gemm3's closure holds G
         if cuda:
             torch.cuda.empty_cache()

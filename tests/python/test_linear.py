@@ -422,8 +422,6 @@ BAD = {  # name -> (changes to the call, what the error says)
     "max_scratch_bytes": (dict(max_scratch_bytes=-1), "max_scratch_bytes = -1: must be >= 0"),
     "max_scratch_bytes_small": (dict(max_scratch_bytes=8),
                                 "max_scratch_bytes = 8: too small for either schedule"),
-    "max_chunk_bytes_small": (dict(max_chunk_bytes=8),
-                              "max_chunk_bytes = 8: too small for either schedule"),
     "schedule": (dict(schedule="slow"), 'schedule = "slow": must be "auto", "fast" or "lean"'),
     "vocab_size": (dict(vocab_size=V + 1), f"vocab_size = {V + 1}: must be in [1, {V}]"),
 }
