@@ -5,8 +5,8 @@
 #                           without it.
 #
 # With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
-# CUDA and NCCL wheels; a few GB), and pytest, megatron-core==0.16.1 and scikit-build-core if
-# they are missing, and transformers==5.17.0 with accelerate==1.15.0 if either is missing or of
+# CUDA and NCCL wheels; a few GB), and pytest and scikit-build-core if they are missing, and
+# megatron-core==0.16.1, and transformers==5.17.0 with accelerate==1.15.0, if missing or of
 # another version (for tests/python and tests/package), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
 #   -DPython3_EXECUTABLE=<that python3, for xent._C>
@@ -44,11 +44,21 @@ xent_torch_cmake_args() {
     xent_torch_say "pytest is not importable: installing it from PyPI (python3 -m pip install pytest)"
     python3 -m pip install pytest >&2 || xent_torch_say "pip could not install pytest: torch_python will fail"
   fi
-  # tests/python/test_megatron.py checks xent.megatron against Megatron-core itself.
-  if ! python3 -c 'import megatron.core' >/dev/null 2>&1; then
-    xent_torch_say "megatron-core is not importable: installing it from PyPI (python3 -m pip install megatron-core==0.16.1)"
-    python3 -m pip install megatron-core==0.16.1 >&2 ||
-      xent_torch_say "pip could not install megatron-core: its tests will skip"
+  # tests/python/test_megatron.py checks xent.megatron against Megatron-core itself: 0.16.1 here
+  # (ctest torch_python), 0.19.2 under Python 3.12 in a virtual environment of its own (ctest
+  # torch_python_megatron_0_19, launch/megatron_env.sh).
+  local mc_want=megatron-core==0.16.1 mc_have
+  mc_have=$(python3 -c 'import importlib.metadata as md, megatron.core
+print("megatron-core==" + md.version("megatron-core"))' 2>/dev/null)
+  if [ "$mc_have" != "$mc_want" ]; then
+    xent_torch_say "${mc_have:-megatron-core is not importable}: installing $mc_want from PyPI (python3 -m pip install $mc_want)"
+    if ! python3 -m pip install "$mc_want" >&2; then
+      if [ -z "$mc_have" ]; then
+        xent_torch_say "pip could not install $mc_want: its tests will skip"
+      else
+        xent_torch_say "pip could not install $mc_want: the Megatron tests run with $mc_have"
+      fi
+    fi
   fi
   # tests/python/test_transformers.py checks xent.transformers against the Transformers version it
   # was written for; its tensor-parallel test needs accelerate (tp_plan requires it).

@@ -14,8 +14,14 @@ label_smoothing > 0 they are NOT Megatron's: xent computes PyTorch's definition
 (F.cross_entropy(label_smoothing=...) on the full vocabulary), see vocab_parallel_cross_entropy
 and docs/megatron.md.
 
+Supported and tested: megatron-core 0.16.1 (Python 3.10 and later) and 0.19.2 (0.17 and later
+need Python 3.12). Where the two behave differently (the rank that Megatron's own function uses),
+docs/megatron.md says so, version by version.
+
 megatron-core is imported only by patch(), unpatch() and a call with tp_group=None (which asks
-megatron.core.parallel_state for the group); with tp_group given, it need not be installed.
+megatron.core.parallel_state for the group); with tp_group given, it need not be installed (where
+it is loaded, a group that is Megatron's tensor-parallel group is checked against Megatron's rank
+and size, see vocab_parallel_cross_entropy).
 """
 
 import functools
@@ -58,9 +64,33 @@ def _import_megatron(module_name, needed_by):
             f"explicitly to use vocab_parallel_cross_entropy without it") from e
 
 
+def _check_megatron_rank(parallel_state, group, how):
+    """Refuses a rank or size set by set_tensor_model_parallel_rank/_world_size that is not the
+    rank and size of `group`, Megatron's tensor-parallel group (passed as `how` says)."""
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if (rank, world) != (group.rank(), group.size()):
+        raise RuntimeError(
+            f"xent.megatron: {how}: Megatron's tensor-parallel rank and size are {rank} of "
+            f"{world} (set_tensor_model_parallel_rank/_world_size) but this process is rank "
+            f"{group.rank()} of {group.size()} in the tensor-parallel group: they must agree, "
+            f"since xent needs the vocabulary shards in the group's rank order (unset the "
+            f"override with set_tensor_model_parallel_rank(None) and "
+            f"set_tensor_model_parallel_world_size(None))")
+
+
 def _tensor_parallel_layout(tp_group):
-    """(group, this rank's index in it, its size): Megatron's tensor-parallel group if None."""
+    """(group, this rank's index in it, its size): Megatron's tensor-parallel group if None.
+    Megatron's rank and size (set_tensor_model_parallel_rank/_world_size can override them) must
+    be the group's where the group is Megatron's: with tp_group=None, and with tp_group given
+    where it is the group of megatron.core.parallel_state (already imported: never imported
+    here), as LanguageModule passes it in megatron-core 0.19."""
     if tp_group is not None:
+        parallel_state = sys.modules.get("megatron.core.parallel_state")
+        if parallel_state is not None and tp_group is (
+                parallel_state.get_tensor_model_parallel_group(check_initialized=False)):
+            _check_megatron_rank(parallel_state, tp_group,
+                                 "tp_group is Megatron's tensor-parallel group")
         return tp_group, tp_group.rank(), tp_group.size()
     parallel_state = _import_megatron("megatron.core.parallel_state",
                                       "vocab_parallel_cross_entropy with tp_group=None")
@@ -70,17 +100,11 @@ def _tensor_parallel_layout(tp_group):
             "xent.megatron: tp_group is None and Megatron's tensor-parallel group is not "
             "initialized: call megatron.core.parallel_state.initialize_model_parallel(...) "
             "first, or pass tp_group")
-    # Megatron's own function takes its rank and size from these, which set_tensor_model_*
-    # can override; xent needs the shards in the group's rank order, so they must agree.
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    if (rank, world) != (group.rank(), group.size()):
-        raise RuntimeError(
-            f"xent.megatron: Megatron's tensor-parallel rank and size are {rank} of {world} "
-            f"(set_tensor_model_parallel_rank/_world_size) but this process is rank "
-            f"{group.rank()} of {group.size()} in the tensor-parallel group: xent needs the "
-            f"vocabulary shards in the group's rank order")
-    return group, rank, world
+    # megatron-core 0.16.1's own function takes its rank and size from these (0.19's from the
+    # group); xent needs the shards in the group's rank order, so they must agree.
+    _check_megatron_rank(parallel_state, group,
+                         "tp_group is None (Megatron's tensor-parallel group)")
+    return group, group.rank(), group.size()
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=0.0,
@@ -95,8 +119,14 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
     loss = logsumexp(x) - x[target], x the full row of V logits (every column a class:
     Megatron's padded vocabulary columns included, as Megatron counts them).
 
-    tp_group: the tensor-parallel ProcessGroup; None asks
-    megatron.core.parallel_state.get_tensor_model_parallel_group() (and Megatron's rank and size).
+    tp_group: the tensor-parallel ProcessGroup (positional or keyword, as in megatron-core 0.19's
+    function, which has the same four parameters; 0.16.1's has no tp_group); this rank's index
+    in it places the shard. None asks Megatron's
+    megatron.core.parallel_state.get_tensor_model_parallel_group().
+    Where the group is Megatron's (None, or the group of an already imported parallel_state, as
+    0.19's LanguageModule passes it), a rank or size set by set_tensor_model_parallel_rank/
+    _world_size that is not the group's raises a RuntimeError naming both: megatron-core 0.16.1's
+    own function would use that rank with tp_group=None, 0.19's uses the group's.
 
     label_smoothing (alpha) > 0 computes PyTorch's definition, NOT Megatron's:
         xent:     (1 - alpha) * loss + alpha * (logsumexp(x) - mean over all V columns of x),
@@ -126,8 +156,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing=
 
 def fused_vocab_parallel_cross_entropy(vocab_parallel_logits, target, tp_group):
     """Megatron-core's fused_vocab_parallel_cross_entropy (no label smoothing): the same loss as
-    vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group). tp_group=None
-    asks Megatron's parallel state (Megatron's own function needs a group).
+    vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group), the same checks
+    of tp_group included. tp_group=None asks Megatron's parallel state (Megatron's own function
+    needs a group).
 
     Megatron's fused version always rounds the gradient to bfloat16; xent's has the logits'
     dtype (float32 logits get a float32 gradient)."""
@@ -155,8 +186,8 @@ class _GatherRows(torch.autograd.Function):
 def linear_cross_entropy(hidden, weight, labels, tp_group=None, reduction="mean",
                          ignore_index=-100, sequence_parallel=False):
     """The fused lm head with the signature and layout of Megatron-LM main's
-    megatron.core.fusions.fused_linear_cross_entropy.linear_cross_entropy (not in megatron-core
-    0.16.1), on xent's CPU or CUDA backend (xent.linear_cross_entropy).
+    megatron.core.fusions.fused_linear_cross_entropy.linear_cross_entropy (in no megatron-core
+    release from 0.16.1 to 0.19.2), on xent's CPU or CUDA backend (xent.linear_cross_entropy).
 
     hidden: [s, b, h] or [tokens, h], this rank's tokens with sequence_parallel (then s / tp of
     them, rank-major); weight: [V/tp, h], this rank's equal share of the vocabulary (rank r holds
@@ -205,7 +236,8 @@ def _entry_point(function):
 
 
 # (Megatron module defining it, its name, what patch() installs in its place, whether every
-# megatron-core has the module: fused_linear_cross_entropy came after 0.16.1)
+# megatron-core has the module: fused_linear_cross_entropy is only on Megatron-LM's development
+# branch, in no release from 0.16.1 to 0.19.2)
 _TARGETS = (
     ("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy",
      _entry_point(vocab_parallel_cross_entropy), True),
@@ -254,9 +286,13 @@ def patch():
     same name. Does nothing if already patched. Undo with unpatch(). Not patched: the
     TransformerEngine path (cross_entropy_fusion_impl = "te").
 
-    megatron.core.fusions.fused_linear_cross_entropy (Megatron-LM main; not 0.16.1) is left
-    alone until xent's fused lm head runs on CUDA: call xent.megatron.linear_cross_entropy
-    directly meanwhile."""
+    Where the installed megatron-core has megatron.core.fusions.fused_linear_cross_entropy
+    (Megatron-LM's development branch; no release from 0.16.1 to 0.19.2 has it), its
+    linear_cross_entropy is replaced too, by a wrapper of xent.megatron.linear_cross_entropy;
+    where it does not, that module is neither imported nor required.
+
+    The same names and modules in megatron-core 0.16.1 and 0.19.2; in 0.19 LanguageModule passes
+    tp_group=self.tp_group to the unfused function, which xent's takes as 0.19's does."""
     if _replaced:
         return
     found = []
@@ -267,7 +303,7 @@ def patch():
         if not hasattr(module, name):
             raise RuntimeError(
                 f"xent.megatron.patch(): {module_name} has no {name}: this megatron-core is "
-                f"not one xent.megatron knows (written for 0.16.1)")
+                f"not one xent.megatron knows (tested with 0.16.1 and 0.19.2)")
         found.append((getattr(module, name), entry_point))
     for original, entry_point in found:
         _rebind(original, entry_point)

@@ -1,13 +1,17 @@
-"""xent.megatron against Megatron-core itself (megatron-core 0.16.1, the real package) on two
-tensor-parallel ranks: Megatron's parallel state is initialised with
-tensor_model_parallel_size=2, each rank holds half the vocabulary (64 columns: [0, 32) and
-[32, 64), Megatron's partition) of the same full logits [S, B, V], and every case compares xent's
-loss and gradient shard with what Megatron's own function gives on the same shard.
+"""xent.megatron against Megatron-core itself (the real package: megatron-core 0.16.1 under the
+default python3, 0.19.2 under Python 3.12 through launch/megatron_env.sh; what differs between
+the two is checked version by version) on two tensor-parallel ranks: Megatron's parallel state
+is initialised with tensor_model_parallel_size=2, each rank holds half the vocabulary (64
+columns: [0, 32) and [32, 64), Megatron's partition) of the same full logits [S, B, V], and every
+case compares xent's loss and gradient shard with what Megatron's own function gives on the same
+shard.
 
 Covered, on Gloo with CPU tensors always, and on NCCL with cuda:<rank> where there are 2 GPUs:
-  * the unfused entry point, float32 and bfloat16 logits, tp_group given and tp_group=None
-    (Megatron's parallel state): loss and gradient equal Megatron's to rounding, with a
-    non-unit grad_output (as Megatron's loss mask and token count make it);
+  * the unfused entry point, float32 and bfloat16 logits, tp_group given (positionally, and as
+    the keyword that megatron-core 0.19's function also takes) and tp_group=None (Megatron's
+    parallel state): loss and gradient equal Megatron's to rounding, with a non-unit grad_output
+    (as Megatron's loss mask and token count make it); xent's parameters are Megatron's (0.19:
+    all four; 0.16.1: the first three, it has no tp_group);
   * the fused entry point (Megatron's runs on CPU too, through torch.compile): the loss equals
     Megatron's, the gradient to bfloat16 rounding (Megatron's fused gradient is always bf16);
   * label smoothing 0.1: xent's loss and gradient equal float64 F.cross_entropy on the full
@@ -15,15 +19,23 @@ Covered, on Gloo with CPU tensors always, and on NCCL with cuda:<rank> where the
     (as do Megatron's two ranks), and xent warns;
   * errors: tp_group=None with Megatron's rank overridden or its parallel state not
     initialised, and label_smoothing = 1, raise on every rank naming what is wrong;
+  * a rank or size set by set_tensor_model_parallel_rank/_world_size that is not the group's:
+    Megatron's own unfused function uses it (0.16.1) or ignores it (0.19: the group's rank),
+    its fused one ignores it (both);
+    xent refuses it with tp_group=None, with Megatron's group given (positionally, by keyword,
+    to the fused entry point, and through the patched LanguageModule), naming tp_group, both
+    values and the rule, and takes another group as given;
   * patch(): Megatron's names (defining modules, the tensor_parallel package, LanguageModule's
     module, a module imported while patched) hold xent's functions, and Megatron's own
-    LanguageModule.compute_language_model_loss then runs xent, on both its paths; unpatch()
+    LanguageModule.compute_language_model_loss then runs xent, on both its paths (0.19 passes
+    tp_group=self.tp_group to the unfused one, which the stand-in module has); unpatch()
     restores the original objects everywhere; both are idempotent.
 Only valid targets are compared: Megatron has no ignore index and returns a meaningless loss for
 a target outside the vocabulary. The patch case uses -100 (xent's ignore index: loss 0, where
 Megatron's loss is positive) to tell which function ran.
 
-Without megatron-core the two-rank tests are skipped (install: pip install megatron-core==0.16.1);
+Without megatron-core the two-rank tests are skipped (install: pip install megatron-core==0.16.1,
+or 0.19.2 under Python 3.12);
 test_without_megatron runs anyway: xent.megatron imports and works with an explicit tp_group
 without it, and patch() and tp_group=None fail with an ImportError that says what is missing.
 
@@ -32,9 +44,13 @@ this file (the worker at the bottom) and write one JSON file each with every cas
 
 Run (from the repository root, with the library built):
     PYTHONPATH=$PWD/python python3 -m pytest -q tests/python/test_megatron.py
+    bash launch/megatron_env.sh 3.12 0.19.2 build/megatron-envs/py3.12-megatron-core-0.19.2
 """
 
+import functools
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import pathlib
 import subprocess
@@ -54,9 +70,10 @@ SMOOTHING = 0.1
 DEADLINE_S = 420  # both ranks, all cases: importing Megatron and torch.compile of its fused path
 
 UNFUSED_CASES = {f"unfused-{dtype}-{how}": (dtype, how)
-                 for dtype in ("fp32", "bf16") for how in ("tp_group", "default_group")}
+                 for dtype in ("fp32", "bf16")
+                 for how in ("tp_group", "tp_group_keyword", "default_group")}
 FUSED_CASES = {f"fused-{dtype}": dtype for dtype in ("fp32", "bf16")}
-OTHER_CASES = ["smoothing", "patch", "errors"]
+OTHER_CASES = ["signature", "smoothing", "patch", "errors", "rank_override"]
 CASES = list(UNFUSED_CASES) + list(FUSED_CASES) + OTHER_CASES
 
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
@@ -71,8 +88,8 @@ def _has_megatron():
 
 needs_megatron = pytest.mark.skipif(
     not _has_megatron(),
-    reason="megatron-core is not installed (pip install megatron-core==0.16.1); the reference "
-           "for these tests is Megatron's own function")
+    reason="megatron-core is not installed (pip install megatron-core==0.16.1, or 0.19.2 under "
+           "Python 3.12); the reference for these tests is Megatron's own function")
 
 
 # =============================================================================== the parent
@@ -163,7 +180,7 @@ class Rank:
         import torch.distributed as dist
         # Megatron warns, on import, that TransformerEngine and Apex are missing: noise here.
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state, tensor_parallel
 
         self.dist = dist
         self.parallel_state = parallel_state
@@ -174,6 +191,16 @@ class Rank:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         assert parallel_state.get_tensor_model_parallel_rank() == rank
+        # megatron-core 0.17 and later: vocab_parallel_cross_entropy(..., tp_group=None), whose
+        # rank is the group's; 0.16.1: no tp_group, the rank is Megatron's (overridable)
+        self.megatron_version = tuple(
+            int(p) for p in importlib.metadata.version("megatron-core").split(".")[:2])
+        self.takes_tp_group = "tp_group" in inspect.signature(
+            tensor_parallel.vocab_parallel_cross_entropy).parameters
+        assert self.takes_tp_group == (self.megatron_version >= (0, 17)), (
+            self.megatron_version, self.takes_tp_group)
+        # another group of the same ranks, made now (a collective) on every rank alike
+        self.other_group = dist.new_group(list(range(WORLD)))
         self.path = pathlib.Path(out_dir) / f"rank{rank}.json"
         self.results = {}
 
@@ -210,13 +237,18 @@ class Rank:
 
         import xent.megatron as xm
         dtype = DTYPES[dtype_name]
-        want_loss, want_grad = self.run_loss(tensor_parallel.vocab_parallel_cross_entropy, dtype)
+        megatron = tensor_parallel.vocab_parallel_cross_entropy
+        if how == "tp_group_keyword" and self.takes_tp_group:  # Megatron's own call, as 0.19's
+            megatron = functools.partial(megatron, tp_group=self.tp_group)  # LanguageModule's
+        want_loss, want_grad = self.run_loss(megatron, dtype)
 
         x = self.shard(dtype)
         before = x.detach().clone()
         target = self.target.to(self.device)
         if how == "tp_group":
             loss = xm.vocab_parallel_cross_entropy(x, target, 0.0, self.tp_group)
+        elif how == "tp_group_keyword":
+            loss = xm.vocab_parallel_cross_entropy(x, target, tp_group=self.tp_group)
         else:
             loss = xm.vocab_parallel_cross_entropy(x, target)
         assert loss.dtype == torch.float32 == want_loss.dtype, (loss.dtype, want_loss.dtype)
@@ -240,6 +272,39 @@ class Rank:
         ranks.assert_close(loss, want_loss, 1e-6, "fused loss vs Megatron's")
         assert grad.dtype == dtype, grad.dtype  # Megatron's is rounded to bf16 in any case
         _assert_bf16_close(grad, want_grad, "fused gradient vs Megatron's")
+
+    def signature_case(self):
+        """xent's entry points take Megatron's parameters (names, defaults, kinds): all of them
+        (megatron-core 0.19: vocab_parallel_cross_entropy's four, tp_group last), and xent's
+        tp_group after 0.16.1's three; the patched entry points show the same signatures."""
+        from megatron.core import tensor_parallel
+        from megatron.core.fusions import fused_cross_entropy
+
+        import xent.megatron as xm
+
+        def params(fn):
+            return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+        for megatron, mine in (
+                (tensor_parallel.vocab_parallel_cross_entropy, xm.vocab_parallel_cross_entropy),
+                (fused_cross_entropy.fused_vocab_parallel_cross_entropy,
+                 xm.fused_vocab_parallel_cross_entropy)):
+            theirs, ours = params(megatron), params(mine)
+            assert ours[:len(theirs)] == theirs, (megatron.__name__, theirs, ours)
+            assert len(ours) == len(theirs) or (
+                not self.takes_tp_group and megatron.__name__ == "vocab_parallel_cross_entropy"
+                and [p[0] for p in ours[len(theirs):]] == ["tp_group"]), (theirs, ours)
+        tp_group = inspect.signature(xm.vocab_parallel_cross_entropy).parameters["tp_group"]
+        assert tp_group.default is None, tp_group
+        if self.takes_tp_group:
+            assert len(params(tensor_parallel.vocab_parallel_cross_entropy)) == 4
+        xm.patch()
+        try:
+            for fn in (tensor_parallel.vocab_parallel_cross_entropy,
+                       fused_cross_entropy.fused_vocab_parallel_cross_entropy):
+                assert params(fn) == params(fn.__wrapped__), (fn, params(fn))
+        finally:
+            xm.unpatch()
 
     def smoothing_case(self):
         import warnings
@@ -289,10 +354,12 @@ class Rank:
         from types import SimpleNamespace
 
         from megatron.core.models.common.language_module.language_module import LanguageModule
+        # what LanguageModule.__init__ sets and compute_language_model_loss reads: 0.19 passes
+        # self.tp_group to the unfused function, both pass pg_collection.tp to the fused one
         module = SimpleNamespace(
             config=SimpleNamespace(cross_entropy_loss_fusion=fusion,
                                    cross_entropy_fusion_impl="native"),
-            pg_collection=SimpleNamespace(tp=self.tp_group))
+            pg_collection=SimpleNamespace(tp=self.tp_group), tp_group=self.tp_group)
         labels = self.target.clone()
         labels[0, 1] = -100
         x = self.shard(torch.float32)
@@ -386,10 +453,12 @@ class Rank:
             else:
                 raise AssertionError(f"no {error.__name__} ({words})")
 
-        # Megatron's rank overridden to another than the group's (tp_group=None)
+        # Megatron's rank overridden to another than the group's (tp_group=None; the case
+        # rank_override has the rest)
         ps.set_tensor_model_parallel_rank(WORLD - 1 - self.rank)
         try:
-            expect(RuntimeError, [f"rank and size are {WORLD - 1 - self.rank} of {WORLD}",
+            expect(RuntimeError, ["tp_group is None",
+                                  f"rank and size are {WORLD - 1 - self.rank} of {WORLD}",
                                   f"rank {self.rank} of {WORLD}", "rank order"],
                    lambda: xm.vocab_parallel_cross_entropy(x, target))
         finally:
@@ -409,14 +478,96 @@ class Rank:
         loss = xm.vocab_parallel_cross_entropy(x, target)
         assert torch.isfinite(loss).all().item(), loss
 
+    def rank_override_case(self):
+        """A rank or size set by set_tensor_model_parallel_rank/_world_size that is not the
+        tensor-parallel group's: Megatron's own unfused function uses that rank in 0.16.1 and
+        the group's in 0.19, its fused one the group's in both (docs/megatron.md, version by
+        version); xent refuses the call on
+        every rank wherever the group is Megatron's (tp_group None or given, positionally or by
+        keyword, the fused entry point, Megatron's LanguageModule while patched), naming
+        tp_group, both values and the rule, and computes with another group as given."""
+        from megatron.core import tensor_parallel
+        from megatron.core.fusions import fused_cross_entropy
+
+        import xent.megatron as xm
+        ps = self.parallel_state
+        x = self.shard(torch.float32)
+        target = self.target.to(self.device)
+        want, _ = self.run_loss(tensor_parallel.vocab_parallel_cross_entropy, torch.float32)
+        want_fused, _ = self.run_loss(fused_cross_entropy.fused_vocab_parallel_cross_entropy,
+                                      torch.float32, self.tp_group)
+
+        def expect_refused(words, call, how):
+            try:
+                call()
+            except RuntimeError as e:
+                message = str(e)
+                assert all(w in message for w in words), (how, message)
+            else:
+                raise AssertionError(f"{how}: no RuntimeError with Megatron's rank overridden")
+
+        other = WORLD - 1 - self.rank
+        ps.set_tensor_model_parallel_rank(other)
+        try:
+            meg, _ = self.run_loss(tensor_parallel.vocab_parallel_cross_entropy, torch.float32)
+            apart = (meg.double() - want.double()).abs().max().item()
+            if self.takes_tp_group:  # 0.19: the group's rank, the override ignored
+                assert apart == 0.0, f"Megatron {self.megatron_version} used the override"
+            else:  # 0.16.1: the override's rank, another shard's columns
+                assert apart > 1e-3, f"Megatron {self.megatron_version} ignored the override"
+            # Megatron's fused function takes the rank from its group in both versions
+            meg, _ = self.run_loss(fused_cross_entropy.fused_vocab_parallel_cross_entropy,
+                                   torch.float32, self.tp_group)
+            assert torch.equal(meg, want_fused), "Megatron's fused function used the override"
+            words = ["tp_group", f"rank and size are {other} of {WORLD}",
+                     f"rank {self.rank} of {WORLD}", "must agree", "rank order",
+                     "set_tensor_model_parallel_rank"]
+            calls = {
+                "tp_group=None": lambda: xm.vocab_parallel_cross_entropy(x, target),
+                "tp_group positional":
+                    lambda: xm.vocab_parallel_cross_entropy(x, target, 0.0, self.tp_group),
+                "tp_group keyword":
+                    lambda: xm.vocab_parallel_cross_entropy(x, target, tp_group=self.tp_group),
+                "fused": lambda: xm.fused_vocab_parallel_cross_entropy(x, target, self.tp_group)}
+            for how, call in calls.items():
+                extra = ["tp_group is None"] if how == "tp_group=None" else [
+                    "tp_group is Megatron's tensor-parallel group"]
+                expect_refused(words + extra, call, how)
+            xm.patch()
+            try:  # 0.19's LanguageModule passes tp_group=self.tp_group, 0.16.1's none
+                for fusion in (False, True):
+                    expect_refused(words, lambda: self.language_model_loss(fusion),
+                                   f"patched LanguageModule (fusion={fusion})")
+            finally:
+                xm.unpatch()
+            # a group other than Megatron's: the override is not about it
+            loss = xm.vocab_parallel_cross_entropy(x, target, tp_group=self.other_group)
+            ranks.assert_close(loss, want, 1e-6, "loss on another group of the same ranks")
+        finally:
+            ps.set_tensor_model_parallel_rank(None)
+        ps.set_tensor_model_parallel_world_size(WORLD + 2)
+        try:
+            expect_refused(["tp_group", f"rank and size are {self.rank} of {WORLD + 2}",
+                            f"rank {self.rank} of {WORLD}", "must agree"],
+                           lambda: xm.vocab_parallel_cross_entropy(x, target,
+                                                                   tp_group=self.tp_group),
+                           "world size overridden")
+        finally:
+            ps.set_tensor_model_parallel_world_size(None)
+        # nothing was left half done: a valid call (collectives) on every rank
+        loss = xm.vocab_parallel_cross_entropy(x, target, tp_group=self.tp_group)
+        ranks.assert_close(loss, want, 1e-6, "loss after the refused calls")
+
     def run_all(self):
         for case, args in UNFUSED_CASES.items():
             self.record(case, lambda: self.unfused_case(*args))
         for case, dtype_name in FUSED_CASES.items():
             self.record(case, lambda: self.fused_case(dtype_name))
+        self.record("signature", self.signature_case)
         self.record("smoothing", self.smoothing_case)
         self.record("patch", self.patch_case)
         self.record("errors", self.errors_case)
+        self.record("rank_override", self.rank_override_case)
 
         def finish():
             self.dist.barrier()
