@@ -394,7 +394,17 @@ std::function<void()> LinearOperation::gemm3() {
                                                   : CUDA_R_16F;
     auto g = std::make_shared<Buffer>(dev_, static_cast<size_t>(T * V) * dtype_bytes(z.p.dtype));
     const auto gemm = gemm_;
-    return [&z, g, gemm, t, T, V, H] {
+    // At TP > 1 an unfused step sums d_hidden over the ranks in its own dtype (Megatron's
+    // all-reduce of the input's gradient): timed as an fp32 all-reduce of the same bytes, the
+    // group's communicator's sum, on its own buffer (the bits are not numbers).
+    xent::Communicator& comm = group_.comm();
+    const size_t sum_floats =
+        comm.size() > 1 && comm.has_sums()
+            ? static_cast<size_t>(T * H) * dtype_bytes(z.p.dtype) / sizeof(float)
+            : 0;
+    auto dh = std::make_shared<Buffer>(dev_, sum_floats * sizeof(float));
+    cudaStream_t stream = dev_.stream();
+    return [&z, g, gemm, t, T, V, H, &comm, dh, sum_floats, stream] {
       const float one = 1.0f, zero = 0.0f;
       auto ex = [&](cublasOperation_t ta, cublasOperation_t tb, int64_t m, int64_t n, int64_t k,
                     const void* A, int64_t lda, const void* B, int64_t ldb, void* C, int64_t ldc) {
@@ -408,6 +418,10 @@ std::function<void()> LinearOperation::gemm3() {
       ex(CUBLAS_OP_T, CUBLAS_OP_N, V, T, H, z.weight.get(), H, z.hidden.get(), H, g->get(), V);
       ex(CUBLAS_OP_N, CUBLAS_OP_N, H, T, V, z.weight.get(), H, g->get(), V, z.d_hidden.get(), H);
       ex(CUBLAS_OP_N, CUBLAS_OP_T, H, V, T, z.hidden.get(), H, g->get(), V, z.d_weight.get(), H);
+      if (sum_floats > 0) {
+        auto* sum = static_cast<float*>(dh->get());
+        comm.all_reduce_sum(sum, sum, sum_floats, stream);
+      }
     };
   }
 #if XENT_BENCH_CBLAS
@@ -475,8 +489,7 @@ void LinearOperation::forward() {
 void LinearOperation::backward() {
   if (opt_.grad_mode != xent::GradMode::deferred) return;
   xent::linear_backward(group_, size_->hv, size_->wv, size_->tv, size_->lse.as<float>(),
-                        size_->gout.as<float>(), opt_, lopt_, size_->grads,
-                        dev_.stream());
+                        size_->gout.as<float>(), opt_, lopt_, size_->grads, dev_.stream());
 }
 
 void LinearOperation::check_errors() {

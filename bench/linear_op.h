@@ -34,6 +34,7 @@ class LinearOperation {
   void resize(int64_t tokens);
   // The three GEMMs alone (logits = hidden W^T, d_hidden = G W, d_weight = G^T hidden; G the
   // logits' gradient [tokens, V_local] in the inputs' dtype): cuBLAS, or the CBLAS on the CPU.
+  // On GPUs at TP > 1 then d_hidden's sum over the ranks (an all-reduce of its bytes).
   // Empty where there is none (a CPU build without a CBLAS). Its buffers live as long as the step.
   std::function<void()> gemm3();
   void first_call(const std::string& mode);

@@ -264,7 +264,8 @@ const std::vector<Option> kOptions = {
     {"hidden", "--hidden", "H",
      "time and verify the fused lm head (xent::linear_forward / linear_backward) of hidden width "
      "H in [1, 16384] on this rank's shard of the weight instead of the logits' cross-entropy, "
-     "against the three GEMMs alone (gemm3) and the floor of an exact step (gemm3 plus 8 bytes "
+     "against the three GEMMs alone (gemm3; on GPUs at TP > 1 with an all-reduce of d_hidden's "
+     "16-bit bytes, as an unfused step sums it) and the floor of an exact step (gemm3 plus 8 bytes "
      "a logit at the copy bandwidth); fused mode's gradients are for grad_output = "
      "--grad-scale, deferred's for --grad-output; --logit-range scales the weight; "
      "not with --graph, --two-pass or --device-exchange; 0: the logits (0)",

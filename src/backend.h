@@ -33,7 +33,13 @@ struct Workspace {
 
   static constexpr int kScale = 0;  // the gradient's: 1 / valid rows or 1, times grad_scale
   static constexpr int kValid = 1;  // number of non-ignored rows
-  static constexpr int kScalars = 8;
+  // The fused lm head's GEMMs' {alpha, 0, 1} in device memory (cuBLASLt's device pointer mode
+  // reads beta there too): the gradient's scale, applied by the GEMMs that consume its 16-bit
+  // gradient rather than folded into it before the rounding (linear::device::take_gemm_scale).
+  static constexpr int kGemmScale = 2;
+  // A set of the above: the fused lm head keeps a second one, the whole problem's, at kSet.
+  static constexpr int kSet = 8;
+  static constexpr int kScalars = 2 * kSet;
   static constexpr int kPartials = 256;  // at most this many finalize blocks
 
   // The fused lm head's scratch (src/linear/: its chunk buffers, each backend's own type), grown

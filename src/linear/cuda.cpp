@@ -25,9 +25,7 @@
 
 namespace xent::linear {
 
-namespace {
-
-}  // namespace
+namespace {}  // namespace
 
 CudaState::CudaState() {
   check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -72,8 +70,7 @@ class Chunks {
     ws_.prepare(1, call.p.layout.fields, ranks_, stream_);  // scalars, partials, error
     state_.gemm.set_workspace(scratch_.get<char>(kGemmWorkspace));
     // The whole problem's scalars, beside those of finalize (a chunk's, Reduction::none).
-    gscalars_ = ws_.scalars + Workspace::kScalars / 2;
-    static_assert(Workspace::kScalars / 2 > Workspace::kValid, "two sets of scalars");
+    gscalars_ = ws_.scalars + Workspace::kSet;
     const int64_t m = plan_.logits_rows();
     gdtype_ = call_.hidden.dtype;  // the gradient's, as the GEMMs that consume it take it
     // f32 inputs: the logits are made and turned into their gradient in place, a whole chunk at
@@ -99,6 +96,11 @@ class Chunks {
     if (pass_ == Pass::forward && accuracy && (sp() || call_.out.argmax == nullptr))
       argmax = scratch_.get<int64_t>(kArgmax);
     if (dw) start_d_weight();
+    if (call_.gradients) {  // the scale, a scalar grad_output with it, goes to the GEMMs' alpha
+      const bool none = call_.p.reduction == Reduction::none;
+      device::take_gemm_scale(gscalars_, none ? nullptr : grad_output, stream_);
+      if (!none) grad_output = nullptr;
+    }
     // One rank's forward: statistics and gradient in one pass over each sub-chunk's logits where
     // the rows fit on chip (as the logits path's single pass), finalize after it. The fit depends
     // on the columns alone, the same for every sub-chunk.
@@ -107,7 +109,8 @@ class Chunks {
     const device::Operand w{call_.weight.data, call_.weight.dtype, call_.weight.row_stride};
     for (int64_t i = 0; i < plan_.info.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, call_.p.rows);
-      const int64_t m = c * plan_.ranks_in_chunk, at = r0 * plan_.ranks_in_chunk;  // the chunk's rows in chunk order
+      const int64_t m = c * plan_.ranks_in_chunk,
+                    at = r0 * plan_.ranks_in_chunk;  // the chunk's rows in chunk order
       const device::Operand h = inputs(r0, c);
       const float* lse_c = nullptr;
       const float* go = grad_output;
@@ -144,7 +147,7 @@ class Chunks {
       if (dw) {
         const bool first = i == 0 && !call_.accumulate_d_weight;
         state_.gemm.run(true, false, real_, H_, m, g, h, first ? 0.0f : 1.0f, acc_, acc_dtype_,
-                        ldacc_, stream_);
+                        ldacc_, stream_, gemm_scale());
       }
     }
     join_sums();
@@ -154,6 +157,8 @@ class Chunks {
 
  private:
   bool sp() const { return call_.sequence_parallel; }
+  // The gradient's scale, which its GEMMs apply (take_gemm_scale).
+  const float* gemm_scale() const { return gscalars_ + Workspace::kGemmScale; }
   int64_t tsize() const { return static_cast<int64_t>(core::target_size(call_.targets.type)); }
 
   // Every row's targets in chunk order: the call's own without sequence parallelism; else every
@@ -172,9 +177,10 @@ class Chunks {
     for (int64_t i = 0; i < plan_.info.chunks; ++i) {
       const int64_t r0 = plan_.first(i), c = plan_.count(i, n);
       // Rank b's rows [r0, r0 + c) to chunk position r0 * ranks + b * c.
-      check_cuda(cudaMemcpy2DAsync(chunked + r0 * plan_.ranks_in_chunk * ts, c * ts, buf + r0 * ts, n * ts,
-                                   c * ts, plan_.ranks_in_chunk, cudaMemcpyDeviceToDevice, stream_),
-                 "cudaMemcpy2DAsync (targets)");
+      check_cuda(
+          cudaMemcpy2DAsync(chunked + r0 * plan_.ranks_in_chunk * ts, c * ts, buf + r0 * ts, n * ts,
+                            c * ts, plan_.ranks_in_chunk, cudaMemcpyDeviceToDevice, stream_),
+          "cudaMemcpy2DAsync (targets)");
     }
     return TargetsView{chunked, t.type, all_rows_};
   }
@@ -265,7 +271,7 @@ class Chunks {
     if (ranks_ == 1) {
       char* rows = static_cast<char*>(dh.data) + r0 * dh.row_stride * dtype_size(dh.dtype);
       state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, rows, dh.dtype, dh.row_stride,
-                      stream_);
+                      stream_, gemm_scale());
       return;
     }
     const int64_t own = sp() ? comm_.rank() * c * H_ : 0;
@@ -273,14 +279,16 @@ class Chunks {
     const int k = static_cast<int>(i % 2);
     float* partial = scratch_.get<float>(kPartial) + (sums ? k : 0) * plan_.logits_rows() * H_;
     if (!sums) {
-      state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
+      state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_,
+                      gemm_scale());
       float* all = scratch_.get<float>(kGathered);
       comm_.all_gather(partial, all, sizeof(float) * static_cast<size_t>(m * H_), stream_);
       device::store_sum(all + own, ranks_, m * H_, H_, dh, r0, c, stream_);
       return;
     }
     if (i >= 2) check_cuda(cudaStreamWaitEvent(stream_, state_.done[k], 0), "cudaStreamWaitEvent");
-    state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_);
+    state_.gemm.run(false, false, m, H_, real_, g, w, 0.0f, partial, DType::f32, H_, stream_,
+                    gemm_scale());
     check_cuda(cudaEventRecord(state_.ready[k], stream_), "cudaEventRecord");
     cudaStream_t side = state_.side;
     check_cuda(cudaStreamWaitEvent(side, state_.ready[k], 0), "cudaStreamWaitEvent");

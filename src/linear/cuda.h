@@ -33,6 +33,13 @@ namespace device {
 // accumulator stored (ranks = 1).
 void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
                int64_t r0, int64_t rows, cudaStream_t stream);
+// In a set of scalars (Workspace: kScale, kGemmScale), stream-ordered: kGemmScale's {alpha, 0, 1}
+// with alpha = the gradient's scale times grad_output[0] (a scalar; null means 1), and kScale
+// set to 1. The 16-bit gradient is then rounded unscaled and its GEMMs apply the scale as alpha
+// in fp32: folded into the rounding instead, the mean's 1/n gives every target's element of
+// near-uniform rows one shared relative error, which d_weight's rows sum rather than average
+// (docs/linear.md, "Where the scale is applied").
+void take_gemm_scale(float* set, const float* grad_output, cudaStream_t stream);
 }  // namespace device
 
 }  // namespace xent::linear

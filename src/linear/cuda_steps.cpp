@@ -69,8 +69,11 @@ class CudaLean final : public LeanSteps {
     all_.rows = M_;
     if (pass_ == Pass::forward) return;
     lse_ = gathered_rows(lse_in_, rows_);
-    go_ = call_.p.reduction == Reduction::none ? gathered_rows(go_in_, rows_ + 3 * M_) : go_in_;
+    // A scalar grad_output joins the scale in the GEMMs' alpha; per row, it is the gradient's.
+    const bool none = call_.p.reduction == Reduction::none;
+    go_ = none ? gathered_rows(go_in_, rows_ + 3 * M_) : nullptr;
     cuda::count_valid(all_, tv_, ws_.scalars, stream_);
+    device::take_gemm_scale(ws_.scalars, none ? nullptr : go_in_, stream_);
   }
 
   void phase(bool stats) override {
@@ -93,8 +96,7 @@ class CudaLean final : public LeanSteps {
     cuda::stats(pc, lv, targets_from(r0, rows), record, ws_.error, stream_);
     if (record != records)  // field-major [fields][rows] into [fields][M] at row r0
       check_cuda(cudaMemcpy2DAsync(records + r0, sizeof(float) * M_, record, sizeof(float) * rows,
-                                   sizeof(float) * rows, fields, cudaMemcpyDeviceToDevice,
-                                   stream_),
+                                   sizeof(float) * rows, fields, cudaMemcpyDeviceToDevice, stream_),
                  "cudaMemcpy2DAsync (records)");
   }
 
@@ -116,6 +118,7 @@ class CudaLean final : public LeanSteps {
     cuda::finalize(all_, tv_, gathered, records, o, lse, ws_.scalars, ws_.partials, stream_);
     lse_ = lse;
     go_ = nullptr;  // fused: grad_output = grad_scale, folded into the scale
+    device::take_gemm_scale(ws_.scalars, nullptr, stream_);
     if (!sp()) return;
     const int64_t own = comm_.rank() * N_;
     copy(rows_ + own, out.lse);
@@ -138,14 +141,14 @@ class CudaLean final : public LeanSteps {
     const MatrixView& dw = call_.out.d_weight;
     char* rows = static_cast<char*>(dw.data) + v0 * dw.row_stride * dtype_size(dw.dtype);
     state_.gemm.run(true, false, cols, H_, M_, gradient_operand(), h_,
-                    call_.accumulate_d_weight ? 1.0f : 0.0f, rows, dw.dtype, dw.row_stride,
-                    stream_);
+                    call_.accumulate_d_weight ? 1.0f : 0.0f, rows, dw.dtype, dw.row_stride, stream_,
+                    gemm_scale());
   }
 
   void d_hidden(int64_t v0, int64_t cols, bool first) override {
     float* acc = accumulator();
     state_.gemm.run(false, false, M_, H_, cols, gradient_operand(), weight_rows(v0),
-                    first ? 0.0f : 1.0f, acc, DType::f32, ld_accumulator(), stream_);
+                    first ? 0.0f : 1.0f, acc, DType::f32, ld_accumulator(), stream_, gemm_scale());
   }
 
   void end(bool any_chunk) override {
@@ -190,6 +193,8 @@ class CudaLean final : public LeanSteps {
     const MatrixView& w = call_.weight;
     return rows_of(device::Operand{w.data, w.dtype, w.row_stride}, v0);
   }
+  // The gradient's scale, which its GEMMs apply (take_gemm_scale).
+  const float* gemm_scale() const { return ws_.scalars + Workspace::kGemmScale; }
   device::Operand gradient_operand() const {
     return device::Operand{grad_, call_.hidden.dtype, vc_};
   }

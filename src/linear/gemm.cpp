@@ -58,8 +58,11 @@ Gemm::~Gemm() {
 }
 
 void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Operand a, Operand b,
-               float beta, void* c, DType c_dtype, int64_t ldc, cudaStream_t stream) {
+               float beta, void* c, DType c_dtype, int64_t ldc, cudaStream_t stream,
+               const float* device_alpha) {
   if (m == 0 || n == 0) return;
+  if (device_alpha != nullptr && beta != 0.0f && beta != 1.0f)
+    fail("Gemm::run: beta " + std::to_string(beta) + " with a device alpha: it must be 0 or 1");
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLASLt's A is our B.
   const cublasOperation_t ta = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -71,6 +74,12 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
            "set TRANSA");
   check_lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
            "set TRANSB");
+  if (device_alpha != nullptr) {
+    const cublasLtPointerMode_t mode = CUBLASLT_POINTER_MODE_DEVICE;
+    check_lt(
+        cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, &mode, sizeof mode),
+        "set POINTER_MODE");
+  }
   // Stored shapes (column-major): cuBLASLt's A is [M, K] (N) or [K, M] (T); its B [K, N] or [N, K].
   const bool na = ta == CUBLAS_OP_N, nb = tb == CUBLAS_OP_N;
   check_lt(cublasLtMatrixLayoutCreate(&d.a, in_type, na ? M : K, na ? K : M, b.ld), "layout A");
@@ -97,7 +106,8 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
                 beta == 0.0f,
                 alignment(b.data),
                 alignment(a.data),
-                alignment(c)};
+                alignment(c),
+                device_alpha != nullptr};
   auto it = algos_.find(key);
   if (it == algos_.end()) {
     check_lt(cublasLtMatmulPreferenceCreate(&d.pref), "PreferenceCreate");
@@ -123,8 +133,10 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
            to_string(c_dtype));
     it = algos_.emplace(key, result.algo).first;
   }
-  const float alpha = 1.0f;
-  check_lt(cublasLtMatmul(handle_, d.op, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
+  const float one = 1.0f;
+  const float* alpha = device_alpha != nullptr ? device_alpha : &one;
+  const float* beta_at = device_alpha == nullptr ? &beta : device_alpha + (beta == 0.0f ? 1 : 2);
+  check_lt(cublasLtMatmul(handle_, d.op, alpha, b.data, d.a, a.data, d.b, beta_at, c, d.c, c, d.c,
                           &it->second, workspace_, kWorkspaceBytes, stream),
            "Matmul");
 }

@@ -1,9 +1,11 @@
-// The fused lm head's own kernel on the CUDA backend (cuda.h): a sum over the ranks' fp32
-// partials, rounded once into the output's dtype. A grid-stride loop over the elements.
+// The fused lm head's own kernels on the CUDA backend (cuda.h): a sum over the ranks' fp32
+// partials, rounded once into the output's dtype (a grid-stride loop over the elements), and the
+// move of the gradient's scale into its GEMMs' alpha (one thread).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
+#include "backend.h"
 #include "core/dtype.h"
 #include "cuda/launch.cuh"
 #include "error.h"
@@ -31,7 +33,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__global__ void take_gemm_scale_kernel(float* set, const float* grad_output) {
+  float* g = set + Workspace::kGemmScale;
+  g[0] = set[Workspace::kScale] * (grad_output == nullptr ? 1.0f : grad_output[0]);
+  g[1] = 0.0f;
+  g[2] = 1.0f;
+  set[Workspace::kScale] = 1.0f;
+}
+
 }  // namespace
+
+void take_gemm_scale(float* set, const float* grad_output, cudaStream_t stream) {
+  take_gemm_scale_kernel<<<1, 1, 0, stream>>>(set, grad_output);
+  check_cuda(cudaGetLastError(), "xent take_gemm_scale kernel launch");
+}
 
 void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
                int64_t r0, int64_t rows, cudaStream_t stream) {

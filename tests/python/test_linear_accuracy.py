@@ -8,10 +8,10 @@ compared with float64 and with torch's path on the same data, rank by rank:
   * err = max |x - ref| / max |ref| over the rank's block (the issue's measure) and
     ||x - ref|| / ||ref|| (Frobenius: steadier, a few top elements do not move it);
   * xent's must be within MARGIN_MAX (max) and MARGIN_FRO (Frobenius) of torch's on the same
-    rank and block. Why these: in an emulation of the CUDA backend's arithmetic at this
-    configuration (bench/linear_accuracy.py's "model" row; 16 problems, n from 3645 to 3721, 64
-    rank blocks), wherever xent and torch round the mean's 1 / n to the same bf16 number (most
-    n) the largest d_weight elements, which the target terms -(1 - p) / n (p ~ 0) dominate, came
+    rank and block. Why these: in an emulation of the CUDA backend's former arithmetic at this
+    configuration (bench/linear_accuracy.py's "folded" row, before the fix below; 16 problems, n
+    from 3645 to 3721, 64 rank blocks), wherever xent and torch round the mean's 1 / n to the
+    same bf16 number (most n) the largest d_weight elements, which the target terms -(1 - p) / n (p ~ 0) dominate, came
     out the same bits and xent's max error was 0.94x to 1.04x torch's; its Frobenius errors were
     below torch's in every block measured (d_weight 0.97x to 0.99x, d_hidden 0.95x: its gradient
     of the logits is the correctly rounded one, from fp32 logits). The margins leave room for
@@ -19,24 +19,25 @@ compared with float64 and with torch's path on the same data, rank by rank:
     them. The CPU backend keeps the gradient in fp32 and is far inside them;
   * cases: "uniform" targets and targets skewed to the low ids that rank 0 holds ("zipf": P(id)
     ~ 1 / (id + 10)), 410 rows ignored (n = 3686 valid); and "swing" (uniform, seed 20, 391 rows
-    ignored: n = 3705), where the CUDA backend's arithmetic today is 1.41x torch's on rank 1 and
-    0.94x to 0.99x on the other ranks: the issue's pattern. There bf16(1 / n) is 3.5e-3 above
+    ignored: n = 3705), where the CUDA backend's former arithmetic (the scale folded into the
+    bf16 gradient) was 1.41x torch's on rank 1 and 0.94x to 0.99x on the other ranks: the
+    issue's pattern. There bf16(1 / n) is 3.5e-3 above
     1 / n and torch's bf16(1 / bf16(n)) 3.6e-3 below it, each about half an ulp of the largest
     d_weight elements, so a rank's max error is decided by how its one or two largest elements
     round: rank 1's largest is just above a power of two, and xent's lands 0.78 ulp from
-    float64, torch's 0.22. Its Frobenius errors are below torch's on every rank there. Applying
-    the mean's scale as the GEMMs' fp32 alpha instead of folding it into the bf16 gradient
-    (xent_model(scale_in_gemm=True)) gives 1.8e-3 on rank 1, below torch's on every rank and
-    case; until xent does that, the swing case fails on CUDA (not on the CPU backend, whose
-    gradient is fp32).
+    float64, torch's 0.22. Its Frobenius errors are below torch's on every rank there. The
+    CUDA backend now applies the mean's scale as the GEMMs' fp32 alpha instead of folding it
+    into the bf16 gradient (xent_model(scale_in_gemm=True)): 1.8e-3 on rank 1, below torch's on
+    every rank and case. The swing case would fail on CUDA with the folded scale (never on the
+    CPU backend, whose gradient is fp32).
 
 Backends: 4 ranks over Gloo (the CPU backend), and over NCCL where there are 2 or more GPUs
 (cuda:<rank>, as many ranks as GPUs up to 4, V in that many shards); one process on one device
 (CPU, and CUDA where there is one): one TP-1 call over every rank's rows and the whole weight, its
 d_weight cut into the 4 shards and d_hidden into the 4 ranks' rows (the same problem: shard k's
 d_weight is rows [k x 12565, ...) of it). test_arithmetic_no_worse_than_torch checks the
-emulated arithmetic itself, today's (xfail on the swing case) and the fixed one (no library
-needed).
+emulated arithmetic itself, the CUDA backend's and the former folded one (xfail on the swing
+case: the test that would have caught the anomaly; no library needed).
 
 float64 reference and torch's path are made once per case in the test process (on cuda:0 for
 NCCL); the ranks write their gradients to the test's temporary folder. The issue's size takes
@@ -166,21 +167,21 @@ def test_one_device_shards_no_worse_than_torch(device, case):
     assert not failures, "xent less accurate than torch's unfused path:\n" + table
 
 
-@pytest.mark.parametrize("fixed", [False, True], ids=["today", "fixed"])
+@pytest.mark.parametrize("in_gemm", [True, False], ids=["xent", "folded"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_arithmetic_no_worse_than_torch(case, fixed, request):
-    """The CUDA backend's arithmetic for bf16 inputs (fp32 logits, the gradient s p - s [target]
-    rounded to bf16 once, fp32-accumulated GEMMs), emulated in torch: per rank no worse than
-    torch's path. Where this passes and test_ranks_* fails on GPUs, the implementation departs
-    from its own arithmetic on that rank. "fixed": s applied by the GEMMs instead (the
-    recommended change), which passes the swing case too."""
+def test_arithmetic_no_worse_than_torch(case, in_gemm, request):
+    """The CUDA backend's arithmetic for bf16 inputs (fp32 logits, the gradient p - [target]
+    rounded to bf16 once, fp32-accumulated GEMMs that apply the scale s as alpha), emulated in
+    torch: per rank no worse than torch's path. Where this passes and test_ranks_* fails on
+    GPUs, the implementation departs from its own arithmetic on that rank. "folded": s p - s
+    [target] rounded instead (the arithmetic before issue 38), which fails the swing case."""
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    if case == "swing" and not fixed:  # measured on the CPU: strict there
+    if case == "swing" and not in_gemm:  # measured on the CPU: strict there
         request.applymarker(pytest.mark.xfail(
-            strict=device == "cpu", reason="today's arithmetic: delta(3705) = +3.5e-3 folded "
-            "into the bf16 gradient, rank 1's d_weight max error 1.41x torch's (issue 38)"))
+            strict=device == "cpu", reason="the folded scale: delta(3705) = +3.5e-3 in the bf16 "
+            "gradient, rank 1's d_weight max error 1.41x torch's (issue 38)"))
     p, ref, peer = expected(case, 4, device)
-    dh, dw = acc.xent_model(p, torch.device(device), scale_in_gemm=fixed)
+    dh, dw = acc.xent_model(p, torch.device(device), scale_in_gemm=in_gemm)
     got = {k: (dh[p.own(k)], dw[slice(*p.shard(k))]) for k in range(p.tp)}
     failures, table = compare(p, ref, peer, got)
     print(table)
