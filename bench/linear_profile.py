@@ -7,13 +7,17 @@ start inside its predecessor's, the overlap counts once), its idle time between 
 the last kernel, and the longest idle gaps with the kernels around them.
 
     XENT_TORCH_LIB=build/src/torch/libxent_torch.so PYTHONPATH=python \\
-        python3 bench/linear_profile.py --vocab 128256 [--max-chunk-mib 256] [--grad-mode fused]
+        python3 bench/linear_profile.py --vocab 128256 [--max-scratch-mib 256] [--grad-mode fused]
+    # TP > 1: one process per GPU over NCCL, each with its V / tp rows of the weight (V a
+    # multiple of tp); the table is rank 0's, its NCCL kernels included, and every rank's wall time
+    torchrun --standalone --nproc-per-node 2 bench/linear_profile.py --vocab 128256
 
 On CPU (--device cpu, small shapes) it runs and prints the CPU operators instead: a smoke test.
 """
 
 import argparse
 import collections
+import os
 import pathlib
 import sys
 import time
@@ -63,22 +67,40 @@ def main():
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--grad-mode", choices=["fused", "deferred"], default="fused")
-    p.add_argument("--max-chunk-mib", type=int, default=256)
+    p.add_argument("--max-scratch-mib", "--max-chunk-mib", type=int, default=0,
+                   help="max_scratch_bytes in MiB (0: the default budget)")
+    p.add_argument("--schedule", choices=["auto", "fast", "lean"], default="auto")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
+    group, rank, tp = None, 0, 1
+    if "RANK" in os.environ:  # torchrun: one rank per GPU, the vocabulary split over them
+        import torch.distributed as dist
+        rank, tp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if a.device == "cpu":  # Gloo: a smoke test
+            dist.init_process_group("gloo")
+        else:
+            a.device = f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}"
+            torch.cuda.set_device(a.device)
+            dist.init_process_group("nccl", device_id=torch.device(a.device))
+        group = dist.group.WORLD
+        if a.vocab % tp:
+            sys.exit(f"--vocab {a.vocab} is not a multiple of the {tp} ranks")
+    width = a.vocab // tp
     gen = torch.Generator(device=a.device).manual_seed(0)
     h = torch.randn(a.tokens, a.hidden, device=a.device, generator=gen).to(dt).requires_grad_()
     w = (torch.randn(a.vocab, a.hidden, device=a.device, generator=gen) * 2 * a.hidden ** -0.5
-         ).to(dt).requires_grad_()
+         )[rank * width:(rank + 1) * width].to(dt).requires_grad_()
     y = torch.randint(0, a.vocab, (a.tokens,), device=a.device, generator=gen)
     cuda = a.device.startswith("cuda")
 
     def step():
         h.grad = w.grad = None
-        loss = xent.linear_cross_entropy(h, w, y, grad_mode=a.grad_mode,
-                                         max_chunk_bytes=a.max_chunk_mib << 20)
+        loss = xent.linear_cross_entropy(h, w, y, group, vocab_start=rank * width,
+                                         vocab_size=a.vocab, grad_mode=a.grad_mode,
+                                         max_scratch_bytes=a.max_scratch_mib << 20,
+                                         schedule=a.schedule)
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
@@ -102,8 +124,23 @@ def main():
         f = per[family(e.key)]
         f[0] += t / 1e3 / a.iters
         f[1] += e.count // a.iters
-    print(f"# {a.device}, {a.dtype}, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab}, "
-          f"{a.grad_mode}, max_chunk_bytes {a.max_chunk_mib} MiB: {wall_ms:.2f} ms a step")
+    plan = xent.linear_cross_entropy_plan(h, w, y, group, vocab_start=rank * width,
+                                          vocab_size=a.vocab, grad_mode=a.grad_mode,
+                                          max_scratch_bytes=a.max_scratch_mib << 20,
+                                          schedule=a.schedule)
+    walls = [wall_ms]
+    if group is not None:
+        import torch.distributed as dist
+        walls = [None] * tp
+        dist.all_gather_object(walls, wall_ms, group=group)
+        dist.destroy_process_group()
+        if rank != 0:
+            return
+    print(f"# {a.device}, {a.dtype}, {a.tokens} tokens, hidden {a.hidden}, vocab {a.vocab} "
+          f"({width} a rank, tp {tp}), {a.grad_mode}, plan {plan['schedule']} "
+          f"({plan['scratch_bytes'] / 2**20:.0f} MiB of a {plan['budget'] / 2**20:.0f} MiB budget, "
+          f"chunks of {plan['chunk_rows']} rows x {plan['chunk_cols']} columns): "
+          + ", ".join(f"{ms:.2f}" for ms in walls) + " ms a step (each rank's wall time)")
     print("| kernels | ms a step | launches a step |\n|---|---|---|")
     for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"| {name} | {ms:.3f} | {n} |")

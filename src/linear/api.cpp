@@ -60,8 +60,8 @@ LinearPlan linear_plan(const Group& group, MatrixView hidden, MatrixView weight,
   LinearOutputs o = out;
   if (o.loss == nullptr) o.loss = &dummy;
   const linear::Pass pass = backward ? linear::Pass::backward : linear::Pass::forward;
-  const linear::Call call = linear::check_call(pass, hidden, weight, targets, opt, lopt, o,
-                                               backward ? &dummy : nullptr);
+  const linear::Call call =
+      linear::check_call(pass, hidden, weight, targets, opt, lopt, o, backward ? &dummy : nullptr);
   const DeviceScope on_device(group);
   return linear::agree(group, call, opt, lopt).plan.info;
 }

@@ -185,7 +185,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.chunk_cols = lopt.chunk_cols;
   mine.schedule = static_cast<int64_t>(lopt.schedule);
   mine.budget = static_cast<int64_t>(lopt.max_scratch_bytes != 0 ? lopt.max_scratch_bytes
-                                                                  : lopt.max_chunk_bytes);
+                                                                 : lopt.max_chunk_bytes);
   mine.d_hidden = call.gradients && call.out.d_hidden.data != nullptr ? 1 : 0;
   mine.d_hidden_f32 = call.out.d_hidden.dtype == DType::f32 ? 1 : 0;
   const MatrixView& dw = call.out.d_weight;

@@ -21,8 +21,8 @@ struct Call {
   LinearOutputs out;
   bool sequence_parallel = false;
   bool accumulate_d_weight = false;
-  bool gradients = false;    // this pass computes d_hidden and d_weight (those that are set)
-  bool single_pass = false;  // Options::single_pass: one rank's forward reads each logit once
+  bool gradients = false;          // this pass computes d_hidden and d_weight (those that are set)
+  bool single_pass = false;        // Options::single_pass: one rank's forward reads each logit once
   Allocator* allocator = nullptr;  // LinearOptions::allocator (null: the default)
 };
 

@@ -152,9 +152,8 @@ class Chunks {
     host::sgemm(false, false, m, H_, real_, logits_, V_, w_, ldw_, 0.0f, partial, H_);
     float* gathered = scratch_.get<float>(kGathered);
     float* sum = scratch_.get<float>(kDHidden);
-    const float* rows = call_.sequence_parallel
-                            ? reduce_scatter_sum(comm_, partial, c * H_, gathered, sum)
-                            : all_reduce_sum(comm_, partial, m * H_, gathered, sum);
+    const float* rows =
+        sum_over_ranks(comm_, call_.sequence_parallel, partial, c * H_, gathered, sum);
     host::store(rows, H_, call_.out.d_hidden, r0, c);
   }
 

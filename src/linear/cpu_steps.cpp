@@ -86,16 +86,10 @@ class CpuLean final : public LeanSteps {
       comm_.all_gather(gathered, scratch_.get<float>(kRecv), scratch_.bytes(kSend), nullptr);
       gathered = scratch_.get<float>(kRecv);
     }
-    const bool none = call_.p.reduction == Reduction::none;
-    Outputs o;
-    float* lse = sp() || out.lse == nullptr ? rows_ : out.lse;
-    o.loss = none && sp() ? rows_ + M_ : out.loss;
-    o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? rows_ + 2 * M_ : out.z_loss;
-    o.argmax = sp() || out.argmax == nullptr ? scratch_.get<int64_t>(kArgmax) : out.argmax;
-    o.accuracy = out.accuracy;
+    const LeanRowOutputs r = lean_row_outputs(call_, M_, rows_, scratch_.get<int64_t>(kArgmax));
     const int records = G_ * static_cast<int>(plan_.stats_chunks);
-    cpu::finalize(all_, tv_, gathered, records, o, lse, ws_.scalars);
-    lse_ = lse;
+    cpu::finalize(all_, tv_, gathered, records, r.o, r.lse, ws_.scalars);
+    lse_ = r.lse;
     go_ = nullptr;  // fused: grad_output = grad_scale, folded into the scale
     if (!sp()) return;
     const int64_t own = comm_.rank() * N_;
@@ -103,9 +97,9 @@ class CpuLean final : public LeanSteps {
       if (to != nullptr) std::copy(from + own, from + own + N_, to);
     };
     copy(rows_, out.lse);
-    if (none) copy(rows_ + M_, out.loss);
-    copy(o.z_loss, out.z_loss);
-    copy(o.argmax, out.argmax);
+    if (call_.p.reduction == Reduction::none) copy(rows_ + M_, out.loss);
+    copy(r.o.z_loss, out.z_loss);
+    copy(r.o.argmax, out.argmax);
   }
 
   void gradient(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
@@ -141,8 +135,7 @@ class CpuLean final : public LeanSteps {
       if (!any_chunk) std::fill(acc, acc + M_ * H_, 0.0f);  // a rank of padding only
       float* gathered = scratch_.get<float>(kGathered);
       float* out = scratch_.get<float>(kPartial);
-      const float* sum = sp() ? reduce_scatter_sum(comm_, acc, N_ * H_, gathered, out)
-                              : all_reduce_sum(comm_, acc, M_ * H_, gathered, out);
+      const float* sum = sum_over_ranks(comm_, sp(), acc, N_ * H_, gathered, out);
       host::store(sum, H_, dh, 0, N_);
     }
     const MatrixView& dw = call_.out.d_weight;

@@ -329,12 +329,7 @@ class Chunks {
     if (!call_.accumulate_d_weight) zero_rows(real_, dw.rows - real_);  // padding: no gradient
   }
   void zero_rows(int64_t r0, int64_t rows) {
-    const MatrixView& dw = call_.out.d_weight;
-    if (rows <= 0) return;
-    const size_t es = dtype_size(dw.dtype);
-    check_cuda(cudaMemset2DAsync(static_cast<char*>(dw.data) + r0 * dw.row_stride * es,
-                                 dw.row_stride * es, 0, H_ * es, rows, stream_),
-               "cudaMemset2DAsync (d_weight rows)");
+    device::zero_rows(call_.out.d_weight, r0, rows, stream_);
   }
 
   // The reduced loss and the accuracy from every row's loss, target and argmax (chunk order).

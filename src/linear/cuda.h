@@ -33,6 +33,8 @@ namespace device {
 // accumulator stored (ranks = 1).
 void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
                int64_t r0, int64_t rows, cudaStream_t stream);
+// Rows [r0, r0 + rows) of dst set to 0 (d_weight's rows of padding, which have no gradient).
+void zero_rows(MatrixView dst, int64_t r0, int64_t rows, cudaStream_t stream);
 // In a set of scalars (Workspace: kScale, kGemmScale), stream-ordered: kGemmScale's {alpha, 0, 1}
 // with alpha = the gradient's scale times grad_output[0] (a scalar; null means 1), and kScale
 // set to 1. The 16-bit gradient is then rounded unscaled and its GEMMs apply the scale as alpha

@@ -107,24 +107,18 @@ class CudaLean final : public LeanSteps {
       comm_.all_gather(gathered, scratch_.get<float>(kRecv), scratch_.bytes(kSend), stream_);
       gathered = scratch_.get<float>(kRecv);
     }
-    const bool none = call_.p.reduction == Reduction::none;
-    Outputs o;
-    float* lse = sp() || out.lse == nullptr ? rows_ : out.lse;
-    o.loss = none && sp() ? rows_ + M_ : out.loss;
-    o.z_loss = out.z_loss == nullptr ? nullptr : sp() ? rows_ + 2 * M_ : out.z_loss;
-    o.argmax = sp() || out.argmax == nullptr ? scratch_.get<int64_t>(kArgmax) : out.argmax;
-    o.accuracy = out.accuracy;
+    const LeanRowOutputs r = lean_row_outputs(call_, M_, rows_, scratch_.get<int64_t>(kArgmax));
     const int records = G_ * static_cast<int>(plan_.stats_chunks);
-    cuda::finalize(all_, tv_, gathered, records, o, lse, ws_.scalars, ws_.partials, stream_);
-    lse_ = lse;
+    cuda::finalize(all_, tv_, gathered, records, r.o, r.lse, ws_.scalars, ws_.partials, stream_);
+    lse_ = r.lse;
     go_ = nullptr;  // fused: grad_output = grad_scale, folded into the scale
     device::take_gemm_scale(ws_.scalars, nullptr, stream_);
     if (!sp()) return;
     const int64_t own = comm_.rank() * N_;
     copy(rows_ + own, out.lse);
-    if (none) copy(rows_ + M_ + own, out.loss);
-    if (out.z_loss != nullptr) copy(rows_ + 2 * M_ + own, out.z_loss);
-    if (out.argmax != nullptr) copy(o.argmax + own, out.argmax);
+    if (call_.p.reduction == Reduction::none) copy(rows_ + M_ + own, out.loss);
+    if (out.z_loss != nullptr) copy(r.o.z_loss + own, out.z_loss);
+    if (out.argmax != nullptr) copy(r.o.argmax + own, out.argmax);
   }
 
   void gradient(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
@@ -164,14 +158,8 @@ class CudaLean final : public LeanSteps {
       if (sum != dh.data) device::store_sum(sum, 1, 0, H_, dh, 0, N_, stream_);
     }
     const MatrixView& dw = call_.out.d_weight;
-    if (dw.data != nullptr && !call_.accumulate_d_weight) {
-      const int64_t real = call_.p.real_cols;
-      const size_t es = dtype_size(dw.dtype);
-      if (dw.rows > real)  // padding: no gradient
-        check_cuda(cudaMemset2DAsync(static_cast<char*>(dw.data) + real * dw.row_stride * es,
-                                     dw.row_stride * es, 0, H_ * es, dw.rows - real, stream_),
-                   "cudaMemset2DAsync (d_weight padding rows)");
-    }
+    if (dw.data != nullptr && !call_.accumulate_d_weight)  // padding: no gradient
+      device::zero_rows(dw, call_.p.real_cols, dw.rows - call_.p.real_cols, stream_);
   }
 
  private:

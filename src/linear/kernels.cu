@@ -43,6 +43,14 @@ __global__ void take_gemm_scale_kernel(float* set, const float* grad_output) {
 
 }  // namespace
 
+void zero_rows(MatrixView dst, int64_t r0, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0) return;
+  const size_t es = dtype_size(dst.dtype);
+  check_cuda(cudaMemset2DAsync(static_cast<char*>(dst.data) + r0 * dst.row_stride * es,
+                               dst.row_stride * es, 0, dst.cols * es, rows, stream),
+             "cudaMemset2DAsync (zero rows)");
+}
+
 void take_gemm_scale(float* set, const float* grad_output, cudaStream_t stream) {
   take_gemm_scale_kernel<<<1, 1, 0, stream>>>(set, grad_output);
   check_cuda(cudaGetLastError(), "xent take_gemm_scale kernel launch");

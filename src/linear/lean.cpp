@@ -50,4 +50,16 @@ void run_lean(LeanSteps& s, const Call& call, const Plan& plan, Pass pass) {
   s.end(!first);
 }
 
+LeanRowOutputs lean_row_outputs(const Call& call, int64_t M, float* rows, int64_t* argmax) {
+  const LinearOutputs& out = call.out;
+  const bool sp = call.sequence_parallel, none = call.p.reduction == Reduction::none;
+  LeanRowOutputs r;
+  r.lse = sp || out.lse == nullptr ? rows : out.lse;
+  r.o.loss = none && sp ? rows + M : out.loss;
+  r.o.z_loss = out.z_loss == nullptr ? nullptr : sp ? rows + 2 * M : out.z_loss;
+  r.o.argmax = sp || out.argmax == nullptr ? argmax : out.argmax;
+  r.o.accuracy = out.accuracy;
+  return r;
+}
+
 }  // namespace xent::linear

@@ -180,9 +180,8 @@ Plan fast_within(const Shape& s, int64_t c, size_t budget) {
   if (!has_sub_chunks(s)) return fast_layout(s, c, 0);
   const int64_t m = c * (s.sequence_parallel ? s.ranks : 1);
   const int64_t most = c >= s.rows ? m : std::min(kSubRows, m);
-  const int64_t sub = largest(1, std::max<int64_t>(most, 1), [&](int64_t n) {
-    return fast_layout(s, c, n).total <= budget;
-  });
+  const int64_t sub = largest(1, std::max<int64_t>(most, 1),
+                              [&](int64_t n) { return fast_layout(s, c, n).total <= budget; });
   return fast_layout(s, c, std::max<int64_t>(whole(sub, 128), 1));  // whole tiles of the GEMM
 }
 
@@ -296,8 +295,8 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
       break;
     default: {
       // fast where its chunks are long enough for its GEMMs (or asked for), else lean.
-      const bool fast_good = fast_fits && (lopt.chunk_rows > 0 ||
-                                           fast.info.chunk_rows >= std::min(s.rows, kFastRows));
+      const bool fast_good =
+          fast_fits && (lopt.chunk_rows > 0 || fast.info.chunk_rows >= std::min(s.rows, kFastRows));
       if (fast_good || (fast_fits && !lean_fits))
         p = fast;
       else if (lean_fits)

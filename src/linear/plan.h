@@ -16,20 +16,20 @@ namespace xent::linear {
 // What the plan depends on; the same on every rank (check.cpp: agree).
 struct Shape {
   Backend backend = Backend::cpu;
-  int ranks = 1;                // the group's size
+  int ranks = 1;  // the group's size
   bool sequence_parallel = false;
-  int64_t rows = 0;             // this rank's rows of hidden
-  int64_t widest = 0;           // the most columns of any rank's shard (padding included)
-  int64_t hidden = 0;           // H
-  DType inputs = DType::f32;    // hidden's (and weight's) dtype
-  bool gradients = false;       // this pass computes d_hidden and/or d_weight
-  bool d_hidden = false;        // computed (every rank alike)
-  bool d_hidden_f32 = false;    // every rank's d_hidden is f32
-  bool d_weight = false;        // computed on some rank
-  bool d_weight_f32 = false;    // every rank's d_weight is f32 (or accumulated into: f32 too)
-  bool accuracy = false;        // argmax and accuracy asked for
-  int fields = 2;               // floats of a row's statistics record
-  bool sums = false;            // the communicator sums (Communicator::has_sums) on every rank
+  int64_t rows = 0;           // this rank's rows of hidden
+  int64_t widest = 0;         // the most columns of any rank's shard (padding included)
+  int64_t hidden = 0;         // H
+  DType inputs = DType::f32;  // hidden's (and weight's) dtype
+  bool gradients = false;     // this pass computes d_hidden and/or d_weight
+  bool d_hidden = false;      // computed (every rank alike)
+  bool d_hidden_f32 = false;  // every rank's d_hidden is f32
+  bool d_weight = false;      // computed on some rank
+  bool d_weight_f32 = false;  // every rank's d_weight is f32 (or accumulated into: f32 too)
+  bool accuracy = false;      // argmax and accuracy asked for
+  int fields = 2;             // floats of a row's statistics record
+  bool sums = false;          // the communicator sums (Communicator::has_sums) on every rank
   int64_t rows_all() const { return rows * (sequence_parallel ? ranks : 1); }
 };
 
@@ -58,11 +58,11 @@ enum Buf : int {
 };
 
 struct Plan {
-  LinearPlan info;                            // schedule, budget, chunks
-  int64_t sub_rows = 0;                       // fast, 16-bit on CUDA: fp32 logits per sub-chunk
-  std::array<size_t, kBufCount> bytes{};      // each buffer's size
-  std::array<size_t, kBufCount> offset{};     // and offset in the allocation
-  size_t total = 0;                           // the allocation: the scratch of the call
+  LinearPlan info;                         // schedule, budget, chunks
+  int64_t sub_rows = 0;                    // fast, 16-bit on CUDA: fp32 logits per sub-chunk
+  std::array<size_t, kBufCount> bytes{};   // each buffer's size
+  std::array<size_t, kBufCount> offset{};  // and offset in the allocation
+  size_t total = 0;                        // the allocation: the scratch of the call
 
   // lean's forward (statistics only): blocks of stats_rows rows of stats_cols columns, in
   // stats_chunks chunks of the vocabulary; on CUDA as wide as kLogits, kGrad and kDHidden hold

@@ -32,4 +32,10 @@ const float* reduce_scatter_sum(Communicator& comm, const float* partial, int64_
                         out);
 }
 
+const float* sum_over_ranks(Communicator& comm, bool sequence_parallel, const float* partial,
+                            int64_t own, float* gathered, float* out) {
+  return sequence_parallel ? reduce_scatter_sum(comm, partial, own, gathered, out)
+                           : all_reduce_sum(comm, partial, own, gathered, out);
+}
+
 }  // namespace xent::linear

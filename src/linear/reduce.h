@@ -21,4 +21,10 @@ const float* all_reduce_sum(Communicator& comm, const float* partial, int64_t co
 const float* reduce_scatter_sum(Communicator& comm, const float* partial, int64_t block,
                                 float* gathered, float* out);
 
+// d_hidden's partial summed over the ranks: with sequence parallelism this rank's block of
+// `own` floats (reduce_scatter_sum), else all `own` floats (all_reduce_sum, every rank the same
+// rows). `gathered` as those need; returns the sum as they do.
+const float* sum_over_ranks(Communicator& comm, bool sequence_parallel, const float* partial,
+                            int64_t own, float* gathered, float* out);
+
 }  // namespace xent::linear
