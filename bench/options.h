@@ -39,10 +39,10 @@ struct Settings {
   bool device_exchange = false;  // Options::device_exchange
   bool idle = false;   // each step from an idle GPU after a barrier, median (else back to back)
   int64_t hidden = 0;  // > 0: the fused lm head with this hidden width (linear_op.h), else logits
-  int64_t scratch_mib = 0;         // --hidden: LinearOptions::max_scratch_bytes in MiB (0: default)
-  std::string schedule = "auto";   // --hidden: LinearOptions::schedule (auto, fast, lean)
-  int64_t chunk_rows = 0;          // --hidden: LinearOptions::chunk_rows (0: the plan's)
-  int64_t chunk_cols = 0;          // --hidden: LinearOptions::chunk_cols (0: the plan's)
+  int64_t scratch_mib = 0;        // --hidden: LinearOptions::max_scratch_bytes in MiB (0: default)
+  std::string schedule = "auto";  // --hidden: LinearOptions::schedule (auto, fast, lean)
+  int64_t chunk_rows = 0;         // --hidden: LinearOptions::chunk_rows (0: the plan's)
+  int64_t chunk_cols = 0;         // --hidden: LinearOptions::chunk_cols (0: the plan's)
   uint64_t seed = 1;
   std::string json;
   std::string command;  // argv, joined

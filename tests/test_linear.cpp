@@ -68,8 +68,8 @@ size_t budget_for_sub_rows(const xent::Group& g, const LinearCase& c, int64_t su
   out.d_weight = xent::MatrixView{fake, c.grad_dtype, V, c.H, c.H};
   xent::LinearOptions l = c.lopt;
   l.schedule = xent::LinearSchedule::fast;
-  const xent::LinearPlan p =
-      xent::linear_plan(g, h, w, xent::TargetsView{fake, xent::IndexType::i64, c.rows}, opt, l, out);
+  const xent::LinearPlan p = xent::linear_plan(
+      g, h, w, xent::TargetsView{fake, xent::IndexType::i64, c.rows}, opt, l, out);
   // The sub-chunk the plan takes with the default budget: at most 512 rows where there are
   // several chunks (else every row), in whole 128-row tiles.
   int64_t full = p.chunks > 1 ? std::min<int64_t>(512, p.chunk_rows) : p.chunk_rows;

@@ -94,7 +94,8 @@ XENT_HD RowStats merge_records(const float* gathered, int ranks, const RecordLay
   // and rank), where merging them two at a time would round once per record.
   float m = kNegInf;
   for (int k = 0; k < ranks; ++k) {
-    const float v = gathered[(static_cast<int64_t>(k) * L.fields + RecordLayout::kLse) * rows + row];
+    const float v =
+        gathered[(static_cast<int64_t>(k) * L.fields + RecordLayout::kLse) * rows + row];
     if (v > m || v != v) m = v;  // a NaN record keeps the row NaN
   }
   float sum = 0.0f;

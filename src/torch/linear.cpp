@@ -85,9 +85,9 @@ c10::OperatorHandle linear_op(const char* name) {
       bool, int64_t, int64_t, c10::string_view
 using Tail = std::tuple<XENT_TAIL_TYPES>;
 Tail tail(const OpArgs& a, const LinearArgs& l) {
-  return {a.group_name, a.ignore_index,      a.label_smoothing, a.z_loss,
-          a.softcap,    a.reduction,         a.vocab_start,     a.vocab_size,
-          a.grad_scale, l.sequence_parallel, l.chunk_rows,      l.max_scratch_bytes, l.schedule};
+  return {a.group_name, a.ignore_index,      a.label_smoothing, a.z_loss,     a.softcap,
+          a.reduction,  a.vocab_start,       a.vocab_size,      a.grad_scale, l.sequence_parallel,
+          l.chunk_rows, l.max_scratch_bytes, l.schedule};
 }
 
 }  // namespace
@@ -242,7 +242,7 @@ at::Tensor run_linear(const at::Tensor& hidden_in, const at::Tensor& weight_in,
                       GradMode mode) {
   check_linear_inputs(hidden_in, weight_in, target_in);
   const Reduction reduction = parse_reduction(args.reduction);  // a bad name fails before work
-  largs.options(false);  // so do bad chunk options
+  largs.options(false);                                         // so do bad chunk options
   XENT_CHECK(std::isfinite(args.grad_scale) && args.grad_scale > 0.0,
              "grad_scale = ", args.grad_scale, ": must be finite and > 0");
   XENT_CHECK(args.grad_scale == 1.0 || mode == GradMode::fused, "grad_scale = ", args.grad_scale,
@@ -293,11 +293,12 @@ at::Tensor linear_entry(const at::Tensor& hidden, const at::Tensor& weight,
                         int64_t vocab_start, int64_t vocab_size, c10::string_view grad_mode,
                         double grad_scale, int64_t chunk_rows, int64_t max_scratch_bytes,
                         c10::string_view schedule) {
-  return run_linear(hidden, weight, target,
-                    OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap,
-                               reduction, vocab_start, vocab_size, grad_scale),
-                    LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)},
-                    parse_grad_mode(std::string(grad_mode)));
+  return run_linear(
+      hidden, weight, target,
+      OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction, vocab_start,
+                 vocab_size, grad_scale),
+      LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)},
+      parse_grad_mode(std::string(grad_mode)));
 }
 
 }  // namespace detail

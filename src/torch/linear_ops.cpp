@@ -120,7 +120,8 @@ void backward_into(const at::Tensor& d_hidden, const at::Tensor& d_weight, const
   const float* lse_ptr = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
   core_call([&] {
     xent::linear_backward(s.group, matrix_of(hidden), matrix_of(weight), targets_of(target),
-                          lse_ptr, go_ptr, s.opt, l.options(hidden.is_cuda()), out, stream_of(hidden.device()));
+                          lse_ptr, go_ptr, s.opt, l.options(hidden.is_cuda()), out,
+                          stream_of(hidden.device()));
   });
 }
 
@@ -170,7 +171,8 @@ LinearGrads backward_op(const at::Tensor& hidden, const at::Tensor& weight,
   backward_into(dh, dw, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)}, /*fused=*/false);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)},
+                /*fused=*/false);
   return {dh, dw};
 }
 
@@ -185,7 +187,8 @@ void backward_fused_op(const at::Tensor& d_hidden, const at::Tensor& d_weight,
   backward_into(d_hidden, d_weight, hidden, weight, target, lse, grad_output,
                 OpArgs::of(group_name, ignore_index, label_smoothing, z_loss, softcap, reduction,
                            vocab_start, vocab_size, grad_scale),
-                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)}, /*fused=*/true);
+                LinearArgs{sequence_parallel, chunk_rows, max_scratch_bytes, std::string(schedule)},
+                /*fused=*/true);
 }
 
 // The plan _linear_forward (d_hidden or d_weight: fused) would take for these arguments, as
