@@ -164,13 +164,7 @@ class CpuLean final : public LeanSteps {
   }
 
   core::Problem chunk_problem(int64_t rows, int64_t v0, int64_t cols) const {
-    core::Problem pc = all_;
-    pc.rows = rows;
-    pc.cols = std::max<int64_t>(cols, 1);
-    pc.row_stride = vc_;
-    pc.vocab_start = call_.p.vocab_start + v0;
-    pc.real_cols = cols;
-    return pc;
+    return lean_chunk_problem(all_, rows, v0, cols, vc_);
   }
 
   TargetsView targets_from(int64_t r0, int64_t rows) const {

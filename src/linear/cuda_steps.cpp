@@ -187,17 +187,8 @@ class CudaLean final : public LeanSteps {
     return device::Operand{grad_, call_.hidden.dtype, vc_};
   }
 
-  // The block's rows as the logits path sees a shard: columns [v0, v0 + cols) of this rank's,
-  // all real (a chunk stops at the shard's real columns); a chunk of none has one column that
-  // is never read.
   core::Problem chunk_problem(int64_t rows, int64_t v0, int64_t cols) const {
-    core::Problem pc = all_;
-    pc.rows = rows;
-    pc.cols = std::max<int64_t>(cols, 1);
-    pc.row_stride = ld_;
-    pc.vocab_start = call_.p.vocab_start + v0;
-    pc.real_cols = cols;
-    return pc;
+    return lean_chunk_problem(all_, rows, v0, cols, ld_);
   }
 
   TargetsView targets_from(int64_t r0, int64_t rows) const {

@@ -50,6 +50,17 @@ void run_lean(LeanSteps& s, const Call& call, const Plan& plan, Pass pass) {
   s.end(!first);
 }
 
+core::Problem lean_chunk_problem(const core::Problem& all, int64_t rows, int64_t v0, int64_t cols,
+                                 int64_t row_stride) {
+  core::Problem pc = all;
+  pc.rows = rows;
+  pc.cols = std::max<int64_t>(cols, 1);
+  pc.row_stride = row_stride;
+  pc.vocab_start = all.vocab_start + v0;
+  pc.real_cols = cols;
+  return pc;
+}
+
 LeanRowOutputs lean_row_outputs(const Call& call, int64_t M, float* rows, int64_t* argmax) {
   const LinearOutputs& out = call.out;
   const bool sp = call.sequence_parallel, none = call.p.reduction == Reduction::none;

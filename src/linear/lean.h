@@ -8,6 +8,12 @@ namespace xent::linear {
 
 void run_lean(LeanSteps& s, const Call& call, const Plan& plan, Pass pass);
 
+// A block of rows x cols of the chunk's logits from column v0 of this rank's shard, as the logits
+// path sees a shard (`all`: the problem over every row): all columns real (a chunk stops at the
+// shard's real columns); a chunk of none has one column that is never read.
+core::Problem lean_chunk_problem(const core::Problem& all, int64_t rows, int64_t v0, int64_t cols,
+                                 int64_t row_stride);
+
 // Where the lean schedule's finalize writes the per-row outputs of its M rows: the call's own,
 // or with sequence parallelism (every rank's rows) `rows` [3][M] (lse, the loss of reduction
 // none, z-loss), and `argmax` [M] where argmax is wanted there or for the accuracy alone; each
