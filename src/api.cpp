@@ -146,7 +146,7 @@ void forward(const Group& group, LogitsView logits, TargetsView targets, const O
   Workspace& ws = group.workspace();
   const int ranks = group.size();
   const size_t bytes = p.layout.bytes_per_row() * static_cast<size_t>(p.rows);
-  ws.prepare(p.rows, p.layout.fields, ranks, stream);
+  const CallRows call_rows(ws, opt.allocator, p.rows, p.layout.fields, ranks, stream);
   const auto take_outputs = [&] {
     const Outputs out = make_outputs();
     check_forward_outputs(p, opt, logits, out);
@@ -277,7 +277,7 @@ void backward(const Group& group, LogitsView logits, LogitsView grad, TargetsVie
   const GradRows rows = fused ? GradRows::rescaled : GradRows::all;
   const DeviceScope on_device(group);
   Workspace& ws = group.workspace();
-  ws.prepare(p.rows, p.layout.fields, group.size(), stream);
+  ws.prepare(0, p.layout.fields, group.size(), stream);  // the scalars alone
   if (group.backend() == Backend::cpu) {
     cpu::count_valid(p, targets, ws.scalars);
     cpu::gradient(p, logits, grad, targets, lse, ws.scalars, grad_output, rows);

@@ -52,10 +52,33 @@ struct Workspace {
   ~Workspace();
 
   static size_t bytes_needed(int64_t rows, int fields, int ranks);
+  // The per-row part of bytes_needed: send, recv and lse.
+  static size_t row_bytes(int64_t rows, int fields, int ranks);
   // Grows if needed (allocation happens only here) and carves the pointers. CUDA: growth waits
   // for `stream` (calls on one group are ordered on one stream), sets up the new buffer on it,
   // and is refused while `stream` is being captured into a CUDA graph (Group::reserve first).
-  void prepare(int64_t rows, int fields, int ranks, cudaStream_t stream);
+  // `rows_block` (row_bytes of the caller's memory, held for the call): only the fixed part
+  // grows here, and send, recv and lse are carved from it.
+  void prepare(int64_t rows, int fields, int ranks, cudaStream_t stream,
+               void* rows_block = nullptr);
+};
+
+// One call's per-row part of the workspace: from `allocator` where given (handed back when this
+// goes, stream-ordered), else the workspace's own; the workspace prepared either way.
+class CallRows {
+ public:
+  CallRows(Workspace& ws, Allocator* allocator, int64_t rows, int fields, int ranks,
+           cudaStream_t stream);
+  ~CallRows();
+  CallRows(const CallRows&) = delete;
+  CallRows& operator=(const CallRows&) = delete;
+
+ private:
+  Workspace& ws_;
+  Allocator* allocator_;
+  void* block_ = nullptr;
+  size_t bytes_ = 0;
+  cudaStream_t stream_;
 };
 
 // Whether calls with `opt` on `group` exchange the records device-side (Options::device_exchange

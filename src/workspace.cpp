@@ -49,6 +49,11 @@ size_t Workspace::bytes_needed(int64_t rows, int fields, int ranks) {
   return layout(rows, fields, ranks).end;
 }
 
+size_t Workspace::row_bytes(int64_t rows, int fields, int ranks) {
+  const Layout l = layout(rows, fields, ranks);
+  return l.end - l.send;
+}
+
 Workspace::~Workspace() {
   if (base == nullptr) return;
   if (backend == Backend::cpu)
@@ -57,8 +62,10 @@ Workspace::~Workspace() {
     cudaFree(base);
 }
 
-void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream) {
-  const size_t need = bytes_needed(rows, fields, ranks);
+void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream,
+                        void* rows_block) {
+  const Layout l = layout(rows, fields, ranks);
+  const size_t need = rows_block != nullptr ? l.send : l.end;
   if (need > capacity) {
     // Growth happens outside the hot path (Group::reserve sizes it up front).
     if (backend == Backend::cpu) {
@@ -85,7 +92,6 @@ void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream
       }
       check_cuda(cudaMalloc(&base, need), "cudaMalloc (workspace)");
       // On the stream: ordered before the kernels that read them, whatever the stream's kind.
-      const Layout l = layout(rows, fields, ranks);
       check_cuda(
           cudaMemsetAsync(static_cast<char*>(base) + l.error, 0xff, 2 * sizeof(int64_t), stream),
           "cudaMemsetAsync (error slot)");
@@ -96,13 +102,35 @@ void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream
     capacity = need;
   }
   char* p = static_cast<char*>(base);
-  const Layout l = layout(rows, fields, ranks);
   error = reinterpret_cast<int64_t*>(p + l.error);
   scalars = reinterpret_cast<float*>(p + l.scalars);
   partials = reinterpret_cast<unsigned long long*>(p + l.partials);
-  send = reinterpret_cast<float*>(p + l.send);
-  recv = reinterpret_cast<float*>(p + l.recv);
-  lse = reinterpret_cast<float*>(p + l.lse);
+  // The per-row part at its offsets from l.send, in the workspace or in the caller's block.
+  char* r = rows_block != nullptr ? static_cast<char*>(rows_block) : p + l.send;
+  send = reinterpret_cast<float*>(r);
+  recv = reinterpret_cast<float*>(r + (l.recv - l.send));
+  lse = reinterpret_cast<float*>(r + (l.lse - l.send));
+}
+
+CallRows::CallRows(Workspace& ws, Allocator* allocator, int64_t rows, int fields, int ranks,
+                   cudaStream_t stream)
+    : ws_(ws), allocator_(allocator), stream_(stream) {
+  if (allocator_ != nullptr) {
+    bytes_ = Workspace::row_bytes(rows, fields, ranks);
+    block_ = allocator_->allocate(bytes_, stream_);
+  }
+  try {
+    ws_.prepare(rows, fields, ranks, stream_, block_);
+  } catch (...) {
+    if (block_ != nullptr) allocator_->release(block_, bytes_, stream_);
+    throw;
+  }
+}
+
+CallRows::~CallRows() {
+  if (block_ == nullptr) return;
+  allocator_->release(block_, bytes_, stream_);
+  ws_.send = ws_.recv = ws_.lse = nullptr;  // nothing may read the caller's block after the call
 }
 
 }  // namespace xent

@@ -2,6 +2,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -76,6 +77,62 @@ TEST(Api, MakeOutputsMatchesOutputs) {
   EXPECT_EQ(loss_a[0], loss_b[0]);
   EXPECT_EQ(lse_a, lse_b);
   EXPECT_EQ(a.bytes, b.bytes);  // the fused gradient, over the logits
+}
+
+// Options::allocator: the call's per-row scratch comes from it, once, and goes back to it before
+// the call returns; the group's workspace keeps only its fixed part (no growth with the rows),
+// and the results are those of the workspace's own buffers, bit for bit.
+class CountingAllocator final : public xent::Allocator {
+ public:
+  void* allocate(size_t bytes, cudaStream_t) override {
+    ++allocations;
+    largest = std::max(largest, bytes);
+    held.emplace_back(bytes);
+    return held.back().data();
+  }
+  void release(void* p, size_t bytes, cudaStream_t) override {
+    ++releases;
+    EXPECT_TRUE(!held.empty() && held.back().data() == p && held.back().size() == bytes);
+  }
+  int allocations = 0, releases = 0;
+  size_t largest = 0;
+  std::vector<std::vector<char>> held;  // 256-byte alignment is not needed on the CPU backend
+};
+
+TEST(Api, AllocatorHoldsThePerRowScratch) {
+  const int64_t n = 4096, v = 20;
+  const xtest::Matrix x = xtest::random_logits(n, v, 7, xent::DType::f32);
+  std::vector<int64_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = i % 9 == 0 ? -100 : (i * 7) % v;
+  xtest::HostTargets tg{t, xent::IndexType::i64};
+  xent::Options own, given;
+  CountingAllocator alloc;
+  given.allocator = &alloc;
+  xent::Group a = xent::Group::local(xent::Backend::cpu);
+  xent::Group b = xent::Group::local(xent::Backend::cpu);
+  std::vector<float> loss_a(1), loss_b(1);
+  xtest::HostLogits la = xtest::make_shard(x, 0, v, xent::DType::f32);
+  xtest::HostLogits lb = xtest::make_shard(x, 0, v, xent::DType::f32);
+  xent::Outputs oa, ob;  // no lse asked: it is scratch too
+  oa.loss = loss_a.data();
+  ob.loss = loss_b.data();
+  xent::forward(a, la.view(), tg.view(), own, oa);
+  xent::forward(b, lb.view(), tg.view(), given, ob);
+  EXPECT_EQ(alloc.allocations, 1);
+  EXPECT_EQ(alloc.releases, 1);
+  const int fields = static_cast<int>(xent::record_bytes(given) / sizeof(float));
+  EXPECT_GE(alloc.largest, (fields + 1) * sizeof(float) * static_cast<size_t>(n))
+      << "the records and the lse of every row";
+  EXPECT_GE(a.workspace_bytes(), alloc.largest) << "without an allocator the workspace holds them";
+  EXPECT_LT(b.workspace_bytes(), 8192u) << "with one it keeps the fixed part alone";
+  EXPECT_EQ(loss_a[0], loss_b[0]);
+  EXPECT_TRUE(xtest::same_bytes(la, lb)) << "the fused gradient";
+  // A call refused after the allocation still hands it back.
+  std::vector<int64_t> bad = t;
+  bad[5] = v;
+  xtest::HostTargets tb{bad, xent::IndexType::i64};
+  EXPECT_THROW(xent::forward(b, lb.view(), tb.view(), given, ob), xent::Error);
+  EXPECT_EQ(alloc.allocations, alloc.releases);
 }
 
 // grad_scale 0.5 (a power of two, so every step is exact in bf16): forward writes half the plain

@@ -24,21 +24,6 @@ struct MatrixView {
   int64_t row_stride = 0;
 };
 
-// Where the fused lm head takes its scratch: every byte a call allocates beyond its inputs and
-// outputs comes from here, once per call, and is handed back before the call returns (stream-
-// ordered on CUDA: the memory may still be in use by the call's queued work, as with
-// cudaFreeAsync). Host memory for the CPU backend, device memory of the group's device for CUDA.
-// Null in LinearOptions: malloc/free on the CPU backend, cudaMallocAsync/cudaFreeAsync on the
-// call's stream on CUDA (the device's default memory pool: inside CUDA graph capture that makes
-// graph memory nodes). The LibTorch adapter passes PyTorch's caching allocator.
-class Allocator {
- public:
-  virtual ~Allocator() = default;
-  // At least `bytes` bytes, aligned to 256; throws xent::Error where it cannot.
-  virtual void* allocate(size_t bytes, cudaStream_t stream) = 0;
-  virtual void release(void* p, size_t bytes, cudaStream_t stream) = 0;
-};
-
 // How the fused lm head orders its work (docs/linear.md, "Schedules"):
 //   fast: chunks of rows; each chunk's logits made once, and its gradient consumed by the
 //         d_hidden and d_weight GEMMs at once (three GEMMs). A 16-bit d_weight over several

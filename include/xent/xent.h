@@ -61,6 +61,24 @@ struct TargetsView {
   int64_t rows = 0;
 };
 
+// Where a call takes the scratch that grows with its problem: every byte it allocates beyond
+// its inputs and outputs comes from here, once per call, and is handed back before the call
+// returns (stream-ordered on CUDA: the memory may still be in use by the call's queued work, as
+// with cudaFreeAsync). Host memory for the CPU backend, device memory of the group's device for
+// CUDA. The fused lm head (LinearOptions::allocator) takes all of its scratch here; the logits
+// path (Options::allocator) its per-row records, their exchange and the lse. Null in
+// LinearOptions: malloc/free on the CPU backend, cudaMallocAsync/cudaFreeAsync on the call's
+// stream on CUDA (the device's default memory pool: inside CUDA graph capture that makes graph
+// memory nodes); null in Options: the group's workspace. The LibTorch adapter passes PyTorch's
+// caching allocator for CUDA tensors.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  // At least `bytes` bytes, aligned to 256; throws xent::Error where it cannot.
+  virtual void* allocate(size_t bytes, cudaStream_t stream) = 0;
+  virtual void release(void* p, size_t bytes, cudaStream_t stream) = 0;
+};
+
 struct Options {
   int64_t ignore_index = -100;            // rows with this target: loss 0, gradient 0
   float label_smoothing = 0.0f;           // in [0, 1), uniform over the real vocab_size classes
@@ -115,6 +133,12 @@ struct Options {
   // without peer memory takes the all-gather; on one rank the exchange is with itself, through
   // its own peer memory (tests).
   bool device_exchange = false;
+  // The call's per-row scratch (this rank's records, every rank's, the lse where Outputs::lse is
+  // null: (ranks + 1) x record + 4 bytes a row) from here, handed back when the call returns;
+  // null: the group's workspace, grown to the most rows seen and kept with the group (what
+  // Group::reserve grows ahead of CUDA graph capture). The small fixed part (error slot, scalars,
+  // cross-block partials) stays in the group's workspace either way.
+  Allocator* allocator = nullptr;
 };
 
 // Where forward() writes. Host pointers for the CPU backend, device pointers for CUDA.

@@ -4,6 +4,7 @@
 //                 PyTorch's own ncclComm_t on the caller's stream; nothing is created twice).
 //   CPU tensors:  the CPU backend, whose records travel by the group's own all-gather (Gloo...).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/env.h>
 #include <c10/util/intrusive_ptr.h>
@@ -182,9 +183,33 @@ Options core_options(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::D
 
 namespace detail {
 
+namespace {
+
+// Scratch from PyTorch's CUDA caching allocator, on the call's stream: torch.cuda.
+// max_memory_allocated counts it, CUDA graph capture takes it from the graph's pool, and it goes
+// back to the cache when the call ends.
+class CachingAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes, cudaStream_t stream) override {
+    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream);
+  }
+  void release(void* p, size_t, cudaStream_t) override {
+    c10::cuda::CUDACachingAllocator::raw_delete(p);
+  }
+};
+
+}  // namespace
+
+Allocator* caching_allocator() {
+  static CachingAllocator caching;
+  return &caching;
+}
+
 Setup setup(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10::Device device, int64_t cols,
             const CrossEntropyOptions& o) {
   Options opt;
+  // CUDA tensors: the per-row scratch from PyTorch's allocator, as the fused lm head's
+  if (device.is_cuda()) opt.allocator = caching_allocator();
   opt.ignore_index = o.ignore_index;
   opt.label_smoothing = static_cast<float>(o.label_smoothing);
   opt.z_loss = static_cast<float>(o.z_loss);

@@ -99,6 +99,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> resolve_group(const std::string& name);
 // registered) one that xent registers for it. "" for null.
 std::string name_of(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
+// PyTorch's CUDA caching allocator as an xent::Allocator, on the call's stream (raw_alloc_with_
+// stream / raw_delete): every CUDA call's scratch comes from it.
+Allocator* caching_allocator();
+
 // The xent::Group and the core options of one call, planned (and cached) as core_options says.
 struct Setup {
   Group group;

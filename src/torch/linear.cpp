@@ -9,7 +9,6 @@
 // before the one rounding); a rounded gradient is never rescaled.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -34,23 +33,6 @@ LinearArgs LinearArgs::of(const LinearCrossEntropyOptions& o) {
           o.schedule == LinearSchedule::automatic ? "auto" : xent::to_string(o.schedule)};
 }
 
-namespace {
-
-// The fused lm head's scratch from PyTorch's CUDA caching allocator, on the call's stream:
-// torch.cuda.max_memory_allocated counts it, CUDA graph capture takes it from the graph's pool,
-// and it goes back to the cache when the call ends.
-class CachingAllocator final : public Allocator {
- public:
-  void* allocate(size_t bytes, cudaStream_t stream) override {
-    return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream);
-  }
-  void release(void* p, size_t, cudaStream_t) override {
-    c10::cuda::CUDACachingAllocator::raw_delete(p);
-  }
-};
-
-}  // namespace
-
 LinearOptions LinearArgs::options(bool cuda) const {
   XENT_CHECK(chunk_rows >= 0, "chunk_rows = ", chunk_rows,
              ": must be >= 1, or 0 (rows per chunk from the budget)");
@@ -58,7 +40,6 @@ LinearOptions LinearArgs::options(bool cuda) const {
              ": must be >= 0 (0: the default budget)");
   XENT_CHECK(schedule == "auto" || schedule == "fast" || schedule == "lean", "schedule = \"",
              schedule, "\": must be \"auto\", \"fast\" or \"lean\"");
-  static CachingAllocator caching;
   LinearOptions o;
   o.schedule = schedule == "fast"   ? LinearSchedule::fast
                : schedule == "lean" ? LinearSchedule::lean
@@ -66,7 +47,7 @@ LinearOptions LinearArgs::options(bool cuda) const {
   o.sequence_parallel = sequence_parallel;
   o.chunk_rows = chunk_rows;
   o.max_scratch_bytes = static_cast<size_t>(max_scratch_bytes);
-  if (cuda) o.allocator = &caching;  // CPU tensors: malloc, as PyTorch's CPU allocator
+  if (cuda) o.allocator = caching_allocator();  // CPU tensors: malloc, as PyTorch's CPU allocator
   return o;
 }
 

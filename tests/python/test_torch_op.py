@@ -237,6 +237,33 @@ def test_cuda_target_out_of_range_is_nan_and_reported_by_check_errors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grad_mode", ["fused", "none"])
+def test_cuda_per_row_scratch_from_the_caching_allocator(grad_mode):
+    """The per-row scratch (records, lse) of a call on CUDA tensors comes from PyTorch's caching
+    allocator: max_memory_allocated sees it, and no device memory outside that allocator grows
+    with the rows (the group's workspace keeps its fixed part; it used to grow to 12 bytes a
+    row, 24 MiB here, and keep them)."""
+    def outside():
+        free, total = torch.cuda.mem_get_info()
+        return total - free - torch.cuda.memory_reserved()
+    rows, cols = 1 << 21, 16
+    g = torch.Generator(device="cuda").manual_seed(3)
+    small = torch.randn(64, cols, device="cuda", generator=g)
+    xent.vocab_parallel_cross_entropy(small, torch.zeros(64, dtype=torch.long, device="cuda"))
+    x = torch.randn(rows, cols, device="cuda", generator=g).requires_grad_(grad_mode != "none")
+    t = torch.randint(0, cols, (rows,), device="cuda", generator=g)
+    torch.cuda.synchronize()
+    outside0, before = outside(), torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = xent.vocab_parallel_cross_entropy(x, t, grad_mode=grad_mode)
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss).item()
+    assert torch.cuda.max_memory_allocated() - before >= 8 * rows  # two floats of record a row
+    grown = outside() - outside0
+    assert grown < (2 << 20), f"{grown} bytes outside PyTorch's allocator after {rows} rows"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_internal_operators_refuse_tensors_off_the_logits_device():
     """The internal operators skip the driver's pointer queries: they must check devices."""
     ops = torch.ops.xent

@@ -26,7 +26,8 @@ batch [2, 12] with ignored (-100) labels:
     forward, of a model whose instance forward holds the unpatched one (accelerate's hooks), and
     at the call a biased lm head or another loss_function; patch() refuses a forward
     whose logits differ from the supported ones (checked in the source), changing nothing;
-  * two ranks over Gloo (tests/python/ranks.py) with Transformers' tensor parallelism
+  * two ranks over Gloo on the CPU, and over NCCL where there are two GPUs
+    (tests/python/ranks.py), with Transformers' tensor parallelism
     (from_pretrained(tp_plan="auto"): the lm head's weight a DTensor sharded on the vocabulary;
     it needs accelerate), every family but GPT-2 (which has no tp_plan): xent's vocab-parallel
     path, the same loss and gradients (each rank's shards) as unpatched, and with keep_logits
@@ -397,16 +398,20 @@ def test_source_check():
 
 
 two_ranks = ranks.fixture(__file__, "transformers_tp", 2, DEADLINE_S)
+# Gloo on the CPU everywhere; NCCL where two GPUs are visible (each rank's model on its own GPU,
+# as from_pretrained(tp_plan="auto") places it from LOCAL_RANK)
+TP_BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
 @pytest.mark.skipif(not _has_accelerate(), reason="Transformers' tp_plan needs accelerate "
                     "(pip install accelerate)")
 @pytest.mark.parametrize("case", [f"tp-{f}" for f in TP_FAMILIES] + ["done"])
-def test_tensor_parallel(case, two_ranks):
-    ranks.expect_case(*two_ranks("gloo"), case)
+@pytest.mark.parametrize("backend", TP_BACKENDS)
+def test_tensor_parallel(backend, case, two_ranks):
+    ranks.expect_case(*two_ranks(backend), case)
 
 
-def tp_case(family, rank, tmp):
+def tp_case(family, rank, tmp, device):
     """A tiny model saved by rank 0, loaded with tp_plan="auto" on both ranks: patched and not,
     the same loss and gradients (each rank's shard of the DTensor ones)."""
     import torch.distributed as dist
@@ -418,7 +423,8 @@ def tp_case(family, rank, tmp):
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
     weight = model.lm_head.weight
     assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), weight
-    ids, labels = batch()
+    assert weight.device == device, (weight.device, device)
+    ids, labels = (t.to(device) for t in batch())
     want = step(model, ids, labels)
     got = patched_step(model, ids, labels)
     assert got[0].logits is None and type(got[1]) is torch.Tensor
@@ -446,9 +452,9 @@ def _worker(backend, rank, init, out_dir):
         path.write_text(json.dumps(results))  # as we go: a hang keeps what ran
 
     import torch.distributed as dist
-    ranks.join_group(backend, rank, init, 2)
+    device = ranks.join_group(backend, rank, init, 2)
     for family in TP_FAMILIES:
-        record(f"tp-{family}", lambda: tp_case(family, rank, out_dir))
+        record(f"tp-{family}", lambda: tp_case(family, rank, out_dir, device))
     record("done", lambda: (dist.barrier(), dist.destroy_process_group()))
 
 
