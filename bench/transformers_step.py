@@ -118,7 +118,8 @@ def run_row(args):
     model = build(args, family, config, device)
     if args.row == "xent":
         import xent.transformers
-        xent.transformers.patch(model)  # raises unless the model's forward is supported
+        # raises unless the model's forward is supported
+        xent.transformers.patch(model, max_scratch_bytes=args.xent_scratch_mib << 20)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab_size"], (args.batch, args.seq), generator=gen).to(device)
 
@@ -173,7 +174,8 @@ def spawn(args, model, row):
     """Runs one row in a fresh interpreter; its stderr goes straight through."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", row, "--model", model,
            "--device", args.device, "--dtype", args.dtype, "--batch", str(args.batch),
-           "--seq", str(args.seq), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+           "--seq", str(args.seq), "--iters", str(args.iters), "--warmup", str(args.warmup),
+           "--xent-scratch-mib", str(args.xent_scratch_mib)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(MARK):
@@ -203,6 +205,9 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--xent-scratch-mib", type=int, default=0, metavar="MIB",
+                    help="the xent row's max_scratch_bytes in MiB (0, the default: xent's "
+                    "default budget)")
     ap.add_argument("--json", default="", metavar="OUT")
     ap.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: the child
     args = ap.parse_args()
@@ -220,7 +225,8 @@ def main():
     models = ["llama3.2-1b", "qwen2.5-1.5b"] if args.model == "all" else [args.model]
     rows = [r for r in args.rows.split(",") if r]
     env = dict(dtype=args.dtype, batch=args.batch, seq=args.seq, iters=args.iters,
-               warmup=args.warmup, torch=torch.__version__, transformers=version("transformers"),
+               warmup=args.warmup, xent_scratch_mib=args.xent_scratch_mib,
+               torch=torch.__version__, transformers=version("transformers"),
                liger_kernel=version("liger-kernel"), triton=version("triton"))
     print(f"# transformers_step.py: {args.device}, {args.dtype}, {args.batch} x {args.seq} "
           f"tokens, torch {env['torch']}, transformers {env['transformers']}, liger "

@@ -56,7 +56,7 @@ _SOFTCAP = ("logits = logits / self.config.final_logit_softcapping",
 
 # While patched: class -> the forward it had. And the options of the last patch().
 _replaced = {}
-_options = {"keep_logits": False}
+_options = {"keep_logits": False, "max_scratch_bytes": 0}
 _causal_lm_loss = None  # transformers.loss.loss_utils.ForCausalLMLoss, once imported
 
 
@@ -149,7 +149,8 @@ def _loss(model, hidden, labels, softcap, loss_kwargs):
     if target is None:  # ForCausalLMLoss: tokens < n predict n; the last predicts nothing
         target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     cap = model.config.final_logit_softcapping if softcap else None
-    options = dict(ignore_index=ignore_index, softcap=float(cap or 0.0))
+    options = dict(ignore_index=ignore_index, softcap=float(cap or 0.0),
+                   max_scratch_bytes=_options["max_scratch_bytes"])
     if num_items is None:
         options.update(reduction="mean")
     else:
@@ -228,17 +229,23 @@ def _check_model(model, classes):
             f"call xent.transformers.patch() before loading the model")
 
 
-def patch(model=None, *, keep_logits=False):
+def patch(model=None, *, keep_logits=False, max_scratch_bytes=0):
     """Makes every supported class (SUPPORTED) compute its loss with xent.linear_cross_entropy
     when labels are given: its `forward` is replaced by a wrapper (whose __wrapped__ is the
     original). With labels, the returned logits are None unless keep_logits=True (then they are
-    computed as before, for the caller; the loss still comes from xent). Calling it again only
-    updates keep_logits. Raises, changing nothing, where this transformers' forward of a
+    computed as before, for the caller; the loss still comes from xent). max_scratch_bytes:
+    xent.linear_cross_entropy's bound on the scratch of each call (0: its default, an eighth of
+    the bf16 logits or what its lean schedule needs). Calling it again only updates keep_logits
+    and max_scratch_bytes. Raises, changing nothing, where this transformers' forward of a
     supported class is not the one xent was written for.
 
     model: also checks that this model runs a patched forward, and raises naming its class
     otherwise (an unsupported model is never silently left on Transformers' loss). Returns it.
     Undo with unpatch()."""
+    if (isinstance(max_scratch_bytes, bool) or not isinstance(max_scratch_bytes, int)
+            or max_scratch_bytes < 0):
+        raise ValueError(f"xent.transformers.patch(max_scratch_bytes={max_scratch_bytes!r}): must "
+                         "be an int >= 0 (0: xent.linear_cross_entropy's default budget)")
     classes = _supported_classes()
     if model is not None:
         _check_model(model, classes)
@@ -250,6 +257,7 @@ def patch(model=None, *, keep_logits=False):
         cls.forward = _fused_forward(original, SUPPORTED[cls.__name__][1])
         _replaced[cls] = original
     _options["keep_logits"] = bool(keep_logits)
+    _options["max_scratch_bytes"] = max_scratch_bytes
     return model
 
 
@@ -259,4 +267,4 @@ def unpatch():
     for cls, original in _replaced.items():
         cls.forward = original
     _replaced.clear()
-    _options["keep_logits"] = False
+    _options.update(keep_logits=False, max_scratch_bytes=0)

@@ -18,7 +18,8 @@ batch [2, 12] with ignored (-100) labels:
     Transformers rounds the logits to bf16 before its float32 loss; xent never rounds them;
   * num_items_in_batch (a tensor and an int: sum / n, as gradient accumulation uses it),
     shift_labels, ignore_index, all labels ignored (NaN loss, zero gradients, as F.cross_entropy),
-    return_dict=False, logits None with labels, unchanged without, keep_logits=True;
+    return_dict=False, logits None with labels, unchanged without, keep_logits=True,
+    max_scratch_bytes passed through and honoured;
   * 3 SGD steps: the losses and the final weights match; and Transformers' Trainer with
     gradient accumulation (it passes num_items_in_batch), where accelerate is installed;
   * unpatch() restores the original forward objects; patch() is idempotent;
@@ -322,6 +323,31 @@ def test_outputs(calls):
     assert out.loss.item() == pytest.approx(want[0].item(), rel=1e-6)
     xt.patch()  # keep_logits=False again
     assert model(input_ids=ids, labels=labels).logits is None
+
+
+def test_max_scratch_bytes(calls):
+    """patch(max_scratch_bytes=n) bounds every call's scratch: passed as is (0, the default:
+    xent's default budget), honoured (a budget too small for any schedule is refused by xent,
+    naming it), the same loss within it; a bad value refused by patch, naming it; unpatch()
+    resets it."""
+    model = build("llama")
+    ids, labels = batch()
+    xt.patch()
+    want = model(input_ids=ids, labels=labels).loss
+    xt.patch(max_scratch_bytes=1 << 20)
+    got = model(input_ids=ids, labels=labels).loss
+    assert [c["max_scratch_bytes"] for c in calls] == [0, 1 << 20]
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    xt.patch(max_scratch_bytes=64)
+    with pytest.raises(RuntimeError, match="max_scratch_bytes = 64: too small"):
+        model(input_ids=ids, labels=labels)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match=r"patch\(max_scratch_bytes="):
+            xt.patch(max_scratch_bytes=bad)
+    xt.unpatch()
+    xt.patch()
+    model(input_ids=ids, labels=labels)
+    assert calls[-1]["max_scratch_bytes"] == 0
 
 
 def test_unpatch_restores():
