@@ -12,6 +12,12 @@ the last kernel, and the longest idle gaps with the kernels around them.
     # multiple of tp); the table is rank 0's, its NCCL kernels included, and every rank's wall time
     torchrun --standalone --nproc-per-node 2 bench/linear_profile.py --vocab 128256
 
+Beside it, unless --no-unfused, the unfused step that the fused lm head must beat, timed the same
+way: logits = hidden @ W^T in the inputs' dtype, xent.vocab_parallel_cross_entropy(inplace_grad=
+True) over the group, backward, and at TP > 1 d_hidden all-reduced in its dtype (as Megatron's
+column-parallel lm head does): "matmul + xent op", and the fused step's ratio to it (the slowest
+rank's of each).
+
 On CPU (--device cpu, small shapes) it runs and prints the CPU operators instead: a smoke test.
 """
 
@@ -71,6 +77,8 @@ def main():
                    help="max_scratch_bytes in MiB (0: the default budget)")
     p.add_argument("--schedule", choices=["auto", "fast", "lean"], default="auto")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--no-unfused", action="store_true",
+                   help="skip the unfused step (matmul + xent op) timed beside the fused one")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args()
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
@@ -104,12 +112,30 @@ def main():
         loss.backward()
         if cuda:
             torch.cuda.synchronize()
+        return loss.detach()
 
-    step()  # buffers grown, algorithms chosen
-    t0 = time.perf_counter()
-    for _ in range(a.iters):
-        step()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / a.iters
+    def unfused_step():
+        h.grad = w.grad = None
+        loss = xent.vocab_parallel_cross_entropy(h @ w.T, y, group, vocab_start=rank * width,
+                                                 vocab_size=a.vocab, inplace_grad=True)
+        loss.backward()
+        if group is not None:  # d_hidden summed over the ranks in its dtype, as Megatron's
+            torch.distributed.all_reduce(h.grad, group=group)
+        if cuda:
+            torch.cuda.synchronize()
+        return loss.detach()
+
+    losses = {}
+
+    def wall(fn):
+        losses[fn] = fn().item()  # buffers grown, algorithms chosen
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / a.iters
+
+    wall_ms = wall(step)
+    unfused_ms = None if a.no_unfused else wall(unfused_step)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -128,11 +154,12 @@ def main():
                                           vocab_size=a.vocab, grad_mode=a.grad_mode,
                                           max_scratch_bytes=a.max_scratch_mib << 20,
                                           schedule=a.schedule)
-    walls = [wall_ms]
+    walls, unfused = [wall_ms], [unfused_ms]
     if group is not None:
         import torch.distributed as dist
-        walls = [None] * tp
+        walls, unfused = [None] * tp, [None] * tp
         dist.all_gather_object(walls, wall_ms, group=group)
+        dist.all_gather_object(unfused, unfused_ms, group=group)
         dist.destroy_process_group()
         if rank != 0:
             return
@@ -141,6 +168,12 @@ def main():
           f"({plan['scratch_bytes'] / 2**20:.0f} MiB of a {plan['budget'] / 2**20:.0f} MiB budget, "
           f"chunks of {plan['chunk_rows']} rows x {plan['chunk_cols']} columns): "
           + ", ".join(f"{ms:.2f}" for ms in walls) + " ms a step (each rank's wall time)")
+    if unfused_ms is not None:
+        print("# matmul + xent op (inplace_grad" + (", d_hidden all-reduced" if tp > 1 else "")
+              + "): " + ", ".join(f"{ms:.2f}" for ms in unfused) + " ms a step (each rank's); "
+              f"fused / unfused {max(walls) / max(unfused):.3f} (the slowest ranks'); loss "
+              f"{losses[step]:.6f} fused, {losses[unfused_step]:.6f} unfused (logits rounded to "
+              f"{a.dtype} there)")
     print("| kernels | ms a step | launches a step |\n|---|---|---|")
     for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:
         print(f"| {name} | {ms:.3f} | {n} |")
