@@ -75,6 +75,9 @@ Metrics per row:
             torch.cuda.mem_get_info() less torch.cuda.memory_reserved()) after the measured
             step, minus the same before the row's first call: module loads, a library's own
             cudaMalloc. Shown for every row, added to none ("n/a" on CPU).
+  ms back to back  the same --iters steps run back to back with one synchronisation after the
+            last, wall time a step: as bench/linear_profile.py and xent_dist_bench time a step
+            (the host runs ahead of the device), where "ms" starts each step from an idle device
   xent plan for the xent rows, what xent.linear_cross_entropy_plan says of the same call: the
             schedule (fast or lean), the scratch it takes of its budget, its chunks ("n/a (why)"
             where the installed xent lacks the function); also in the JSON ("plan")
@@ -343,6 +346,19 @@ def measure(step, h, w, args, cuda, ref, grads_bytes, paired=None):
     clear()
     res["ms"] = statistics.median(times)
     res["paired_ms"] = statistics.median(paired_times) if paired_times else None
+    # The same steps back to back, one synchronisation after the last: a step's wall time once
+    # the host runs ahead of the device, as bench/linear_profile.py and xent_dist_bench time it
+    # (the event-timed single step above starts from an idle device).
+    clear()
+    sync(cuda)
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        clear()
+        out = step()
+        del out
+    sync(cuda)
+    res["b2b_ms"] = (time.perf_counter() - t0) * 1e3 / args.iters
+    clear()
     return res
 
 
@@ -427,8 +443,8 @@ def main():
           "less dH and dW (every row alike); outside MiB: device memory outside PyTorch's "
           "allocator, after the step vs before the row's first call (added to none)")
     print("\n| V | row | ms | x gemm3 | x floor | extra MiB | loss abs err | dH rel err | "
-          "dW rel err | outside MiB | xent plan |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "dW rel err | outside MiB | xent plan | ms back to back |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     only = {r.strip() for r in args.only.split(",") if r.strip()} if args.only else None
     results, notes = [], []
     for vocab in vocabs:
@@ -464,7 +480,7 @@ def main():
             res = dict(vocab=vocab, row=row, ms=None, ratio=None, extra_mib=None, peak_mib=None,
                        outside_mib=None, loss_err=None, dh_err=None, dw_err=None,
                        dhdw_mib=grads_mib, logits_mib=logits_mib, logits_std=std,
-                       paired_ms=None, x_floor=None, error=None, plan=None)
+                       paired_ms=None, x_floor=None, error=None, plan=None, b2b_ms=None)
             try:
                 if isinstance(step, str):  # a peer that did not import: "n/a (why)"
                     res["error"] = step
@@ -489,13 +505,13 @@ def main():
                 torch.cuda.empty_cache()
             results.append(res)
             if res["error"]:
-                print(f"| {vocab} | {row} | {res['error']} | | | | | | | | |", flush=True)
+                print(f"| {vocab} | {row} | {res['error']} | | | | | | | | | |", flush=True)
                 continue
             print(f"| {vocab} | {row} | {res['ms']:.3f} | {fmt(res['ratio'], '.2f')} | "
                   f"{fmt(res['x_floor'], '.2f')} | {fmt(res['extra_mib'], '.1f')} | "
                   f"{fmt(res['loss_err'], '.1e')} | {fmt(res['dh_err'], '.1e')} | "
                   f"{fmt(res['dw_err'], '.1e')} | {fmt(res['outside_mib'], '.1f')} | "
-                  f"{res['plan'] or ''} |", flush=True)
+                  f"{res['plan'] or ''} | {fmt(res['b2b_ms'], '.3f')} |", flush=True)
         del h, w, y, ref, table, floor_step  # gemm3's closure holds G
         if cuda:
             torch.cuda.empty_cache()
