@@ -125,17 +125,16 @@ def main():
             torch.cuda.synchronize()
         return loss.detach()
 
-    losses = {}
-
     def wall(fn):
-        losses[fn] = fn().item()  # buffers grown, algorithms chosen
+        """(ms a step over --iters steps, the first step's loss)."""
+        loss = fn().item()  # buffers grown, algorithms chosen
         t0 = time.perf_counter()
         for _ in range(a.iters):
             fn()
-        return (time.perf_counter() - t0) * 1e3 / a.iters
+        return (time.perf_counter() - t0) * 1e3 / a.iters, loss
 
-    wall_ms = wall(step)
-    unfused_ms = None if a.no_unfused else wall(unfused_step)
+    wall_ms, fused_loss = wall(step)
+    unfused_ms, unfused_loss = (None, None) if a.no_unfused else wall(unfused_step)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -172,7 +171,7 @@ def main():
         print("# matmul + xent op (inplace_grad" + (", d_hidden all-reduced" if tp > 1 else "")
               + "): " + ", ".join(f"{ms:.2f}" for ms in unfused) + " ms a step (each rank's); "
               f"fused / unfused {max(walls) / max(unfused):.3f} (the slowest ranks'); loss "
-              f"{losses[step]:.6f} fused, {losses[unfused_step]:.6f} unfused (logits rounded to "
+              f"{fused_loss:.6f} fused, {unfused_loss:.6f} unfused (logits rounded to "
               f"{a.dtype} there)")
     print("| kernels | ms a step | launches a step |\n|---|---|---|")
     for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:

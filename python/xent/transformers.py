@@ -56,7 +56,8 @@ _SOFTCAP = ("logits = logits / self.config.final_logit_softcapping",
 
 # While patched: class -> the forward it had. And the options of the last patch().
 _replaced = {}
-_options = {"keep_logits": False, "max_scratch_bytes": 0}
+_DEFAULT_OPTIONS = {"keep_logits": False, "max_scratch_bytes": 0}
+_options = dict(_DEFAULT_OPTIONS)
 _causal_lm_loss = None  # transformers.loss.loss_utils.ForCausalLMLoss, once imported
 
 
@@ -267,4 +268,4 @@ def unpatch():
     for cls, original in _replaced.items():
         cls.forward = original
     _replaced.clear()
-    _options.update(keep_logits=False, max_scratch_bytes=0)
+    _options.update(_DEFAULT_OPTIONS)
