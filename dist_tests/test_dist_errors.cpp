@@ -2,6 +2,7 @@
 // ranks' group up): where the ranks' calls are wrong or disagree, every rank must throw
 // xent::Error (none may hang), with a message that names what is wrong, and the group must still
 // work afterwards (run_dist, dist_harness.h).
+#include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -94,10 +95,17 @@ TEST_F(Dist, NcclGroupOnASharedGpuIsRefused) {
   const char* be = std::getenv("XENT_TEST_BACKEND");
   if (be == nullptr || std::string(be) != "cuda-mpi" || size() < 2)
     GTEST_SKIP() << "needs ranks sharing a GPU (XENT_TEST_BACKEND=cuda-mpi)";
+  int before = -1, after = -1;
+  ASSERT_EQ(cudaGetDevice(&before), cudaSuccess);
   const std::string msg = every_rank_throws([] { xent::mpi::nccl_group(MPI_COMM_WORLD, 0); });
   EXPECT_THAT(msg, ::testing::HasSubstr("NCCL needs one GPU per rank"));
   EXPECT_THAT(msg, ::testing::HasSubstr("xent::mpi::cuda_group"));
   EXPECT_THAT(msg, ::testing::HasSubstr("(device 0)"));
+  // The refusal leaves this rank's device current: on a host of several GPUs, rank 1's buffers
+  // are on device 1, and the group's calls below read them (an illegal address from device 0's
+  // kernels, as dist_exchange_np2 saw on two GPUs before the device was restored).
+  ASSERT_EQ(cudaGetDevice(&after), cudaSuccess);
+  EXPECT_EQ(after, before);
   expect_group_still_works();
 }
 

@@ -146,19 +146,8 @@ void check_one_gpu_per_rank(MPI_Comm comm, int device) {
   if (any) fail("xent::mpi::nccl_group: ranks of another host share a GPU" + rule);
 }
 
-}  // namespace
-
-Group host_group(MPI_Comm comm) {
-  require_init("xent::mpi::host_group");
-  return Group::custom(std::make_shared<Mpi>(comm));
-}
-
-Group nccl_group(MPI_Comm comm, int device) {
-  require_init("xent::mpi::nccl_group");
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  device = pick_device(comm, device, "xent::mpi::nccl_group");
+// nccl_group on `device`, already current.
+Group nccl_group_on(MPI_Comm comm, int device, int rank, int size) {
   check_one_gpu_per_rank(comm, device);
 
   // Rank 0 makes the id and broadcasts it with its status, so that a failure there reaches
@@ -173,6 +162,31 @@ Group nccl_group(MPI_Comm comm, int device) {
   ncclComm_t nccl = nullptr;
   check_nccl(ncclCommInitRank(&nccl, size, boot.id, rank), "ncclCommInitRank");
   return Group::own(nccl, device);
+}
+
+}  // namespace
+
+Group host_group(MPI_Comm comm) {
+  require_init("xent::mpi::host_group");
+  return Group::custom(std::make_shared<Mpi>(comm));
+}
+
+Group nccl_group(MPI_Comm comm, int device) {
+  require_init("xent::mpi::nccl_group");
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  // A refused call leaves the caller's device current (the caller's buffers live there).
+  // (Without a GPU there is none to restore: pick_device reports that.)
+  int caller = 0;
+  const bool restore = cudaGetDevice(&caller) == cudaSuccess;
+  if (!restore) cudaGetLastError();
+  try {
+    return nccl_group_on(comm, pick_device(comm, device, "xent::mpi::nccl_group"), rank, size);
+  } catch (...) {
+    if (restore) cudaSetDevice(caller);
+    throw;
+  }
 }
 
 Group cuda_group(MPI_Comm comm, int device) {
