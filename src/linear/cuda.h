@@ -1,6 +1,6 @@
-// The CUDA backend of the fused lm head: the fast schedule's chunk loop over device memory
-// (cuda.cpp; the lean schedule's steps are cuda_steps.cpp), what a group keeps between calls,
-// and the backend's one kernel of its own.
+// The CUDA backend of the fused lm head: the fast schedule's steps over device memory
+// (cuda.cpp, run by fast.cpp; the lean schedule's steps are cuda_steps.cpp), what a group keeps
+// between calls, and the backend's kernels of its own.
 #pragma once
 
 #include "linear/check.h"
