@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "counting_allocator.h"
 #include "harness.h"
 
 namespace {
@@ -82,23 +83,6 @@ TEST(Api, MakeOutputsMatchesOutputs) {
 // Options::allocator: the call's per-row scratch comes from it, once, and goes back to it before
 // the call returns; the group's workspace keeps only its fixed part (no growth with the rows),
 // and the results are those of the workspace's own buffers, bit for bit.
-class CountingAllocator final : public xent::Allocator {
- public:
-  void* allocate(size_t bytes, cudaStream_t) override {
-    ++allocations;
-    largest = std::max(largest, bytes);
-    held.emplace_back(bytes);
-    return held.back().data();
-  }
-  void release(void* p, size_t bytes, cudaStream_t) override {
-    ++releases;
-    EXPECT_TRUE(!held.empty() && held.back().data() == p && held.back().size() == bytes);
-  }
-  int allocations = 0, releases = 0;
-  size_t largest = 0;
-  std::vector<std::vector<char>> held;  // 256-byte alignment is not needed on the CPU backend
-};
-
 TEST(Api, AllocatorHoldsThePerRowScratch) {
   const int64_t n = 4096, v = 20;
   const xtest::Matrix x = xtest::random_logits(n, v, 7, xent::DType::f32);
@@ -106,7 +90,7 @@ TEST(Api, AllocatorHoldsThePerRowScratch) {
   for (int64_t i = 0; i < n; ++i) t[i] = i % 9 == 0 ? -100 : (i * 7) % v;
   xtest::HostTargets tg{t, xent::IndexType::i64};
   xent::Options own, given;
-  CountingAllocator alloc;
+  xtest::CountingAllocator alloc;
   given.allocator = &alloc;
   xent::Group a = xent::Group::local(xent::Backend::cpu);
   xent::Group b = xent::Group::local(xent::Backend::cpu);

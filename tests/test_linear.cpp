@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "counting_allocator.h"
 #include "linear_harness.h"
 
 namespace {
@@ -461,6 +462,54 @@ TEST(LinearErrors, OptionsOfTheLogitsPath) {
   Call d;
   d.wv.rows = 0;
   EXPECT_THAT(d.forward(), HasSubstr("weight.rows = 0: must be >= 1"));
+}
+
+// ------------------------------------------------------------------------------ scratch
+
+// The call's scratch comes from LinearOptions::allocator, else from Options::allocator (one
+// allocator in Options serves the lm head and the logits path), and goes back to it before the
+// call returns; the results are those of the default scratch, bit for bit.
+TEST(LinearScratch, FromTheCallersAllocator) {
+  const auto run = [](Call& c) {
+    xent::linear_forward(c.g, c.hv, c.wv, c.tg.view(), c.opt, c.lopt, c.out);
+  };
+  Call plain;
+  run(plain);
+  const auto same_as_plain = [&](const Call& c) {
+    EXPECT_EQ(c.loss, plain.loss);
+    EXPECT_EQ(c.lse, plain.lse);
+    EXPECT_TRUE(xtest::same_bytes(c.dh, plain.dh)) << "d_hidden";
+    EXPECT_TRUE(xtest::same_bytes(c.dw, plain.dw)) << "d_weight";
+  };
+  {
+    xtest::CountingAllocator mine;
+    Call c;
+    c.lopt.allocator = &mine;
+    run(c);
+    EXPECT_GE(mine.allocations, 1);
+    EXPECT_EQ(mine.releases, mine.allocations);
+    same_as_plain(c);
+  }
+  {
+    xtest::CountingAllocator shared;
+    Call c;
+    c.opt.allocator = &shared;
+    run(c);
+    EXPECT_GE(shared.allocations, 1) << "Options::allocator where LinearOptions has none";
+    EXPECT_EQ(shared.releases, shared.allocations);
+    same_as_plain(c);
+  }
+  {
+    xtest::CountingAllocator mine, shared;
+    Call c;
+    c.lopt.allocator = &mine;
+    c.opt.allocator = &shared;
+    run(c);
+    EXPECT_GE(mine.allocations, 1);
+    EXPECT_EQ(mine.releases, mine.allocations);
+    EXPECT_EQ(shared.allocations, 0) << "LinearOptions::allocator comes first";
+    same_as_plain(c);
+  }
 }
 
 }  // namespace

@@ -62,7 +62,8 @@ struct LinearOptions {
   // d_weight += the gradient rather than = it (Megatron's main_grad); d_weight must be f32, and
   // its padding rows (past vocab_size) are left as they are.
   bool accumulate_d_weight = false;
-  // Scratch comes from here (see Allocator); null: the default.
+  // Scratch comes from here (see Allocator); null: from Options::allocator where that is set,
+  // else the default.
   Allocator* allocator = nullptr;
 };
 

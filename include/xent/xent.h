@@ -65,12 +65,13 @@ struct TargetsView {
 // its inputs and outputs comes from here, once per call, and is handed back before the call
 // returns (stream-ordered on CUDA: the memory may still be in use by the call's queued work, as
 // with cudaFreeAsync). Host memory for the CPU backend, device memory of the group's device for
-// CUDA. The fused lm head (LinearOptions::allocator) takes all of its scratch here; the logits
-// path (Options::allocator) its per-row records, their exchange and the lse. Null in
-// LinearOptions: malloc/free on the CPU backend, cudaMallocAsync/cudaFreeAsync on the call's
-// stream on CUDA (the device's default memory pool: inside CUDA graph capture that makes graph
-// memory nodes); null in Options: the group's workspace. The LibTorch adapter passes PyTorch's
-// caching allocator for CUDA tensors.
+// CUDA. The logits path (Options::allocator) takes its per-row records, their exchange and the
+// lse here; the fused lm head all of its scratch (LinearOptions::allocator, else
+// Options::allocator: one allocator set in Options serves both). Null: for the logits path the
+// group's workspace; for the lm head malloc/free on the CPU backend, cudaMallocAsync/
+// cudaFreeAsync on the call's stream on CUDA (the device's default memory pool: inside CUDA graph
+// capture that makes graph memory nodes). The LibTorch adapter passes PyTorch's caching
+// allocator for CUDA tensors.
 class Allocator {
  public:
   virtual ~Allocator() = default;

@@ -112,7 +112,7 @@ Call check_call(Pass pass, MatrixView hidden, MatrixView weight, TargetsView tar
   c.accumulate_d_weight = lopt.accumulate_d_weight;
   c.gradients = pass == Pass::backward || opt.grad_mode == GradMode::fused;
   c.single_pass = opt.single_pass;
-  c.allocator = lopt.allocator;
+  c.allocator = lopt.allocator != nullptr ? lopt.allocator : opt.allocator;
   check_outputs(pass, c, opt, lopt, lse);
   return c;
 }

@@ -23,7 +23,7 @@ struct Call {
   bool accumulate_d_weight = false;
   bool gradients = false;          // this pass computes d_hidden and d_weight (those that are set)
   bool single_pass = false;        // Options::single_pass: one rank's forward reads each logit once
-  Allocator* allocator = nullptr;  // LinearOptions::allocator (null: the default)
+  Allocator* allocator = nullptr;  // LinearOptions', else Options' (null: the default)
 };
 
 // Throws xent::Error naming the argument, its value and the rule. `lse`: backward's input.

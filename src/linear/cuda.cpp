@@ -27,8 +27,6 @@
 
 namespace xent::linear {
 
-namespace {}  // namespace
-
 CudaState::CudaState() {
   check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
   for (int i = 0; i < 2; ++i) {
