@@ -21,13 +21,13 @@ using xent::linear::Shape;
 constexpr size_t kMiB = size_t(1) << 20;
 
 // A training step's forward (fused) on CUDA: bf16 hidden, weight, d_hidden and d_weight.
-Shape step(int ranks, int64_t widest, int64_t rows = 8192) {
+Shape step(int ranks, int64_t widest, int64_t rows = 8192, int64_t hidden = 4096) {
   Shape s;
   s.backend = Backend::cuda;
   s.ranks = ranks;
   s.rows = rows;
   s.widest = widest;
-  s.hidden = 4096;
+  s.hidden = hidden;
   s.inputs = DType::bf16;
   s.gradients = s.d_hidden = s.d_weight = true;
   s.d_hidden_f32 = s.d_weight_f32 = false;
@@ -51,6 +51,28 @@ TEST(LinearPlan, DefaultIsLeanWithinAnEighthOfTheLogitsOrLeansNeed) {
     EXPECT_EQ(p.info.chunk_rows, xent::linear::kLeanRows);
     EXPECT_EQ(p.info.chunks, (V + p.info.chunk_cols - 1) / p.info.chunk_cols);
   }
+}
+
+// Hidden 2048 (Llama 3.2 1B): an eighth of the logits would buy lean chunks of about 6500
+// columns; the default takes kWideCols and leaves the rest unspent. A budget given is spent, and
+// where the default budget holds fast (many rows), fast still takes it.
+TEST(LinearPlan, DefaultLeanStopsAtWideChunks) {
+  const Shape s = step(1, 128256, 8192, 2048);
+  const Plan p = make_plan(s, LinearOptions{});
+  const size_t logits16 = size_t(8192) * size_t(128256) * 2;
+  EXPECT_EQ(p.info.schedule, LinearSchedule::lean);
+  EXPECT_EQ(p.info.budget, logits16 / 8);
+  EXPECT_EQ(p.info.chunk_cols, xent::linear::kWideCols);
+  EXPECT_LT(p.total, 224 * kMiB) << "the Transformers step peaked at Liger's with 224 MiB";
+  LinearOptions given;
+  given.max_scratch_bytes = logits16 / 8;
+  const Plan q = make_plan(s, given);
+  EXPECT_EQ(q.info.schedule, LinearSchedule::lean);
+  EXPECT_GT(q.info.chunk_cols, xent::linear::kWideCols) << "a budget given is spent";
+  EXPECT_GT(q.total, p.total);
+  EXPECT_LE(q.total, q.info.budget);
+  const Plan many = make_plan(step(1, 128256, 65536, 2048), LinearOptions{});
+  EXPECT_EQ(many.info.schedule, LinearSchedule::fast);
 }
 
 TEST(LinearPlan, FastWhereTheBudgetHoldsIt) {

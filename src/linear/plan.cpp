@@ -205,8 +205,9 @@ Plan plan_fast(const Shape& s, const LinearOptions& lopt, size_t budget) {
   return fast_within(s, std::max<int64_t>(1, whole(c * R, tile) / R), budget);
 }
 
-// lean within `budget`; info.chunks == -1 where no chunk fits.
-Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget) {
+// lean within `budget`, chunks of at most `most_cols` columns (more where lean's least scratch
+// needs them); info.chunks == -1 where no chunk fits.
+Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t most_cols) {
   const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt);
   if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V));
   // The scratch grows with the columns of a chunk, save the records of the chunks, which shrink
@@ -224,7 +225,8 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget) {
   int64_t least = lo;
   for (int64_t n = lo + 1; n <= hi; ++n)
     if (total(n) < total(least)) least = n;
-  const int64_t vc = largest(least, V, [&](int64_t n) { return total(n) <= budget; });
+  const int64_t most = std::max(least, std::min(V, most_cols));
+  const int64_t vc = largest(least, most, [&](int64_t n) { return total(n) <= budget; });
   if (vc < least) {
     Plan none = lean_layout(s, rb, least);
     none.info.chunks = -1;
@@ -278,9 +280,10 @@ size_t default_budget(const Shape& s) {
 Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   check_options(lopt);
   size_t budget = lopt.max_scratch_bytes != 0 ? lopt.max_scratch_bytes : lopt.max_chunk_bytes;
-  if (budget == 0) budget = default_budget(s);
+  const bool given = budget != 0;
+  if (!given) budget = default_budget(s);
   const Plan fast = plan_fast(s, lopt, budget);
-  const Plan lean = plan_lean(s, lopt, budget);
+  const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols);
   const bool fast_fits = fast.info.chunks >= 0 && fast.total <= budget;
   const bool lean_fits = lean.info.chunks >= 0 && lean.total <= budget;
   Plan p;

@@ -92,6 +92,13 @@ constexpr int64_t kLeanRows = 2048;
 // counts: each chunk adds its d_hidden part to the fp32 accumulator, rows x H x 8 bytes of
 // traffic, so chunks much narrower than H spend more on that than on the GEMM.
 constexpr int64_t kLeanCols = 3072;
+// lean under the default budget: chunks of at most this many columns. The accumulator's traffic
+// per GEMM work falls as 1 / width, so wider chunks gain little, and the default keeps the rest of
+// its budget unspent (where the budget would buy fast, fast takes it). At hidden 4096 an eighth of
+// the logits buys fewer columns than this; at hidden 2048 (Llama 3.2 1B in a Transformers step)
+// it bought about 6500, and that scratch set the step's peak, 26 MiB over Liger-Kernel's, where
+// 170 and 224 MiB (about 3000 and 5000 columns) met Liger's peak at the same step time.
+constexpr int64_t kWideCols = 4096;
 
 // The default budget's floor: below it the schedules' difference in memory is too small to
 // matter, and fast's fewer GEMMs win.
@@ -105,7 +112,8 @@ void check_options(const LinearOptions& lopt);
 Plan make_plan(const Shape& s, const LinearOptions& lopt);
 
 // The default budget for `s`: the largest of an eighth of the 16-bit logits [rows, widest], what
-// lean needs (its fixed buffers and chunks of kLeanCols columns) and kMinBudget.
+// lean needs (its fixed buffers and chunks of kLeanCols columns) and kMinBudget. (Within it, lean
+// takes chunks of at most kWideCols columns.)
 size_t default_budget(const Shape& s);
 
 }  // namespace xent::linear
