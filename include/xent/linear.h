@@ -47,8 +47,9 @@ struct LinearOptions {
   // The bound on every byte of scratch a call takes (chunks of logits and of their gradient,
   // accumulators, exchange buffers, cuBLASLt's workspace), counted for the widest rank's shard.
   // 0: the default, the larger of an eighth of the 16-bit logits [rows, V_local] that the call
-  // replaces and what the lean schedule needs (docs/linear.md, "The budget"). A schedule that
-  // cannot fit in it is refused, naming what it needs.
+  // replaces and what the lean schedule needs, of which lean spends no more than chunks of 4096
+  // columns take (docs/linear.md, "Schedules and the budget"). A schedule that cannot fit in it
+  // is refused, naming what it needs.
   size_t max_scratch_bytes = 0;
   // The former name of max_scratch_bytes, still honoured where max_scratch_bytes is 0 (its
   // former default of 1 GiB is no longer applied: leave both 0 for the default).
