@@ -36,10 +36,6 @@ class LeanSteps {
   virtual void end(bool any_chunk) = 0;
 };
 
-}  // namespace xent::linear
-
-namespace xent::linear {
-
 // The pieces the fast schedule is made of (fast.cpp), one implementation per backend: cpu.cpp
 // and cuda.cpp. A chunk is rows [r0, r0 + c) of this rank's (with sequence parallelism every
 // rank's rows [r0, r0 + c), m = c x ranks of them in chunk order: rank b's come b-th); its
