@@ -139,6 +139,17 @@ TEST_F(DistLinear, RanksDisagree) {
     msg = e.what();
   }
   EXPECT_THAT(msg, HasSubstr("every rank must make the same chunks"));
+  // d_hidden's sum over the ranks takes its collectives from its dtype: one dtype on every rank.
+  c = make(size(), false, GradMode::fused, 306);
+  c.dtype = DType::bf16;
+  c.grad_dtype = rank() == 0 ? DType::f32 : DType::bf16;
+  msg.clear();
+  try {
+    run_linear(g(), c);
+  } catch (const xent::Error& e) {
+    msg = e.what();
+  }
+  EXPECT_THAT(msg, HasSubstr("every rank gives it the same dtype"));
   run_linear(g(), make(size(), true, GradMode::deferred, 307));  // the group still works
 }
 

@@ -1,7 +1,7 @@
 // The lean schedule's steps on the CUDA backend (steps.h): cuBLASLt GEMMs with fp32 accumulation,
 // the logits path's own kernels (cuda::stats, cuda::finalize, cuda::gradient) on each block of
 // fp32 logits, the gradient of a chunk in the inputs' dtype for the two GEMMs that consume it (as
-// the unfused path's), and d_hidden's sum over the ranks through the communicator's fp32 sums.
+// the unfused path's), and d_hidden's sum over the ranks (device::sum_over_ranks, sums.cpp).
 // Every step on the call's stream; the scratch is the call's (scratch.h).
 #include <algorithm>
 
