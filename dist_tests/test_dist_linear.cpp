@@ -120,36 +120,26 @@ TEST_F(DistLinear, ARankOfPaddingOnly) {
 
 // Where the ranks' calls disagree, every rank throws (none hangs), naming what differs.
 TEST_F(DistLinear, RanksDisagree) {
+  const auto message_of = [&](const LinearCase& c) {
+    try {
+      run_linear(g(), c);
+    } catch (const xent::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
   LinearCase c = make(size(), true, GradMode::fused, 306);
   c.rows = rank() == size() - 1 ? 11 : 12;
-  std::string msg;
-  try {
-    run_linear(g(), c);
-  } catch (const xent::Error& e) {
-    msg = e.what();
-  }
-  EXPECT_THAT(msg,
+  EXPECT_THAT(message_of(c),
               HasSubstr("with sequence_parallel every rank must hold the same number of rows"));
   c = make(size(), false, GradMode::fused, 306);
   c.lopt.chunk_rows = rank() == 0 ? 4 : 5;
-  msg.clear();
-  try {
-    run_linear(g(), c);
-  } catch (const xent::Error& e) {
-    msg = e.what();
-  }
-  EXPECT_THAT(msg, HasSubstr("every rank must make the same chunks"));
+  EXPECT_THAT(message_of(c), HasSubstr("every rank must make the same chunks"));
   // d_hidden's sum over the ranks takes its collectives from its dtype: one dtype on every rank.
   c = make(size(), false, GradMode::fused, 306);
   c.dtype = DType::bf16;
   c.grad_dtype = rank() == 0 ? DType::f32 : DType::bf16;
-  msg.clear();
-  try {
-    run_linear(g(), c);
-  } catch (const xent::Error& e) {
-    msg = e.what();
-  }
-  EXPECT_THAT(msg, HasSubstr("every rank gives it the same dtype"));
+  EXPECT_THAT(message_of(c), HasSubstr("every rank gives it the same dtype"));
   run_linear(g(), make(size(), true, GradMode::deferred, 307));  // the group still works
 }
 
