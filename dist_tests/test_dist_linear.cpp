@@ -87,7 +87,16 @@ TEST_F(DistLinear, Bf16SumGradScaleAccumulate) {
     c.grad_dtype = DType::bf16;
     c.opt.reduction = Reduction::sum;
     c.opt.grad_scale = 0.25f;
-    run_linear(g(), c);
+    // 16-bit d_hidden's sum over the ranks (CUDA: reduce-scatter, rounding, all-gather where the
+    // rows split evenly, else all-reduce): chunks of 5 rows and of 4, strided and contiguous rows.
+    for (int64_t chunk_rows : {5, 4})
+      for (int64_t stride_extra : {3, 0}) {
+        SCOPED_TRACE("chunk_rows " + std::to_string(chunk_rows) + ", stride_extra " +
+                     std::to_string(stride_extra));
+        c.lopt.chunk_rows = chunk_rows;
+        c.stride_extra = stride_extra;
+        expect_same_bits(c, run_linear(g(), c));
+      }
     c.grad_dtype = DType::f32;  // the accumulation of Megatron's main_grad
     c.lopt.accumulate_d_weight = true;
     run_linear(g(), c);
