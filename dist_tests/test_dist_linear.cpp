@@ -87,7 +87,16 @@ TEST_F(DistLinear, Bf16SumGradScaleAccumulate) {
     c.grad_dtype = DType::bf16;
     c.opt.reduction = Reduction::sum;
     c.opt.grad_scale = 0.25f;
-    run_linear(g(), c);
+    // 16-bit d_hidden's sum over the ranks (CUDA: reduce-scatter, rounding, all-gather where the
+    // rows split evenly, else all-reduce): chunks of 5 rows and of 4, strided and contiguous rows.
+    for (int64_t chunk_rows : {5, 4})
+      for (int64_t stride_extra : {3, 0}) {
+        SCOPED_TRACE("chunk_rows " + std::to_string(chunk_rows) + ", stride_extra " +
+                     std::to_string(stride_extra));
+        c.lopt.chunk_rows = chunk_rows;
+        c.stride_extra = stride_extra;
+        expect_same_bits(c, run_linear(g(), c));
+      }
     c.grad_dtype = DType::f32;  // the accumulation of Megatron's main_grad
     c.lopt.accumulate_d_weight = true;
     run_linear(g(), c);
@@ -120,25 +129,26 @@ TEST_F(DistLinear, ARankOfPaddingOnly) {
 
 // Where the ranks' calls disagree, every rank throws (none hangs), naming what differs.
 TEST_F(DistLinear, RanksDisagree) {
+  const auto message_of = [&](const LinearCase& c) {
+    try {
+      run_linear(g(), c);
+    } catch (const xent::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
   LinearCase c = make(size(), true, GradMode::fused, 306);
   c.rows = rank() == size() - 1 ? 11 : 12;
-  std::string msg;
-  try {
-    run_linear(g(), c);
-  } catch (const xent::Error& e) {
-    msg = e.what();
-  }
-  EXPECT_THAT(msg,
+  EXPECT_THAT(message_of(c),
               HasSubstr("with sequence_parallel every rank must hold the same number of rows"));
   c = make(size(), false, GradMode::fused, 306);
   c.lopt.chunk_rows = rank() == 0 ? 4 : 5;
-  msg.clear();
-  try {
-    run_linear(g(), c);
-  } catch (const xent::Error& e) {
-    msg = e.what();
-  }
-  EXPECT_THAT(msg, HasSubstr("every rank must make the same chunks"));
+  EXPECT_THAT(message_of(c), HasSubstr("every rank must make the same chunks"));
+  // d_hidden's sum over the ranks takes its collectives from its dtype: one dtype on every rank.
+  c = make(size(), false, GradMode::fused, 306);
+  c.dtype = DType::bf16;
+  c.grad_dtype = rank() == 0 ? DType::f32 : DType::bf16;
+  EXPECT_THAT(message_of(c), HasSubstr("every rank gives it the same dtype"));
   run_linear(g(), make(size(), true, GradMode::deferred, 307));  // the group still works
 }
 

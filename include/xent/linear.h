@@ -87,7 +87,7 @@ struct LinearOutputs {
   int64_t* argmax = nullptr;  // [rows] optional: global argmax column (compute_accuracy)
   float* accuracy = nullptr;  // [1] optional: over every rank's valid rows (compute_accuracy)
   // [rows, H], hidden's dtype or f32: the gradient with respect to hidden, summed over the ranks'
-  // shards. data null: not computed (every rank alike).
+  // shards. data null: not computed (every rank alike, as its dtype).
   MatrixView d_hidden{};
   // [V_local, H], weight's dtype or f32: the gradient with respect to this rank's weight shard,
   // over every rank's rows; padding rows 0. data null: not computed.

@@ -223,6 +223,9 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
               "every rank must make the same chunks", show_int);
   expect_same(all, &Header::d_hidden, "out.d_hidden set",
               "d_hidden is summed over the ranks: every rank computes it, or none does", show_bool);
+  if (all[0].d_hidden != 0)  // device::sum_over_ranks's collectives depend on it
+    expect_same(all, &Header::d_hidden_f32, "out.d_hidden.dtype f32",
+                "d_hidden is summed over the ranks: every rank gives it the same dtype", show_bool);
   std::vector<core::LayoutHeader> layouts(ranks);
   for (int k = 0; k < ranks; ++k) layouts[k] = all[k].layout;
   core::check_headers(layouts.data(), ranks, /*check_tiling=*/true);

@@ -313,12 +313,7 @@ class CudaFast final : public FastSteps {
     check_cuda(cudaEventRecord(state_.ready[k], stream_), "cudaEventRecord");
     cudaStream_t side = state_.side;
     check_cuda(cudaStreamWaitEvent(side, state_.ready[k], 0), "cudaStreamWaitEvent");
-    const size_t n = static_cast<size_t>(c * H_);
-    if (sp())
-      comm_.reduce_scatter_sum(partial, partial + own, n, side);
-    else
-      comm_.all_reduce_sum(partial, partial, n, side);
-    device::store_sum(partial + own, 1, 0, H_, dh, r0, c, side);
+    device::sum_over_ranks(comm_, sp(), partial, c, dh, r0, side);
     check_cuda(cudaEventRecord(state_.done[k], side), "cudaEventRecord");
     sums_ = std::min<int64_t>(sums_ + 1, 2);
   }

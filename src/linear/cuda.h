@@ -33,6 +33,15 @@ namespace device {
 // accumulator stored (ranks = 1).
 void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, MatrixView dst,
                int64_t r0, int64_t rows, cudaStream_t stream);
+// dst's rows [r0, r0 + rows) = the sum over the ranks of their fp32 partials at `partial`, rounded
+// once (every rank the same bits), through the communicator's sums: each rank's partial holds
+// those rows ([rows, H], ld H), or with sequence parallelism every rank's rows of the chunk
+// ([ranks * rows, H], this rank's block the rank-th). Without sequence parallelism, 16-bit dst and
+// rows that split evenly over the ranks: a reduce-scatter in fp32, each rank rounding its share of
+// the rows, then an all-gather of the 16-bit rows (6 bytes an element on the wire against an fp32
+// all-reduce's 8); else an fp32 all-reduce, then the store. `partial` is scratch: overwritten.
+void sum_over_ranks(Communicator& comm, bool sequence_parallel, float* partial, int64_t rows,
+                    const MatrixView& dst, int64_t r0, cudaStream_t stream);
 // Rows [r0, r0 + rows) of dst set to 0 (d_weight's rows of padding, which have no gradient).
 void zero_rows(MatrixView dst, int64_t r0, int64_t rows, cudaStream_t stream);
 // In a set of scalars (Workspace: kScale, kGemmScale), stream-ordered: kGemmScale's {alpha, 0, 1}

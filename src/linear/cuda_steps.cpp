@@ -1,7 +1,7 @@
 // The lean schedule's steps on the CUDA backend (steps.h): cuBLASLt GEMMs with fp32 accumulation,
 // the logits path's own kernels (cuda::stats, cuda::finalize, cuda::gradient) on each block of
 // fp32 logits, the gradient of a chunk in the inputs' dtype for the two GEMMs that consume it (as
-// the unfused path's), and d_hidden's sum over the ranks through the communicator's fp32 sums.
+// the unfused path's), and d_hidden's sum over the ranks (device::sum_over_ranks, sums.cpp).
 // Every step on the call's stream; the scratch is the call's (scratch.h).
 #include <algorithm>
 
@@ -153,9 +153,10 @@ class CudaLean final : public LeanSteps {
       if (!any_chunk)  // a rank of padding only: its part of d_hidden is 0
         check_cuda(cudaMemset2DAsync(acc, ld * sizeof(float), 0, H_ * sizeof(float), M_, stream_),
                    "cudaMemset2DAsync (d_hidden)");
-      const float* sum = acc;
-      if (G_ > 1) sum = summed(acc);
-      if (sum != dh.data) device::store_sum(sum, 1, 0, H_, dh, 0, N_, stream_);
+      if (G_ > 1)
+        summed(acc);
+      else if (acc != dh.data)
+        device::store_sum(acc, 1, 0, H_, dh, 0, N_, stream_);
     }
     const MatrixView& dw = call_.out.d_weight;
     if (dw.data != nullptr && !call_.accumulate_d_weight)  // padding: no gradient
@@ -213,23 +214,18 @@ class CudaLean final : public LeanSteps {
     return scratch_.get<float>(kDHidden) != nullptr ? H_ : call_.out.d_hidden.row_stride;
   }
 
-  // The accumulator summed over the ranks: in place by the communicator (with sequence
-  // parallelism each rank's rows of it: reduce-scatter), else every rank's gathered and summed
-  // in rank order. Returns this rank's rows of the sum.
-  const float* summed(float* acc) {
-    const int64_t own = sp() ? comm_.rank() * N_ * H_ : 0;
-    const size_t n = static_cast<size_t>(N_ * H_);
+  // The accumulator (scratch, ld H) summed over the ranks into d_hidden, rounded once: by the
+  // communicator's sums (device::sum_over_ranks), else every rank's gathered and summed in rank
+  // order.
+  void summed(float* acc) {
     if (comm_.has_sums()) {
-      if (sp())
-        comm_.reduce_scatter_sum(acc, acc + own, n, stream_);
-      else
-        comm_.all_reduce_sum(acc, acc, n, stream_);
-      return acc + own;
+      device::sum_over_ranks(comm_, sp(), acc, N_, call_.out.d_hidden, 0, stream_);
+      return;
     }
+    const int64_t own = sp() ? comm_.rank() * N_ * H_ : 0;
     float* all = scratch_.get<float>(kGathered);
     comm_.all_gather(acc, all, sizeof(float) * static_cast<size_t>(M_ * H_), stream_);
     device::store_sum(all + own, G_, M_ * H_, H_, call_.out.d_hidden, 0, N_, stream_);
-    return static_cast<float*>(call_.out.d_hidden.data);
   }
 
   template <typename T>

@@ -105,7 +105,7 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
     b[kGrad] = s.gradients && !f32 ? u(M) * u(vc) * es : 0;
     b[kHidden] = s.sequence_parallel ? u(M) * u(H) * es : 0;
     b[kMine] = s.sequence_parallel ? u(N) * u(H) * es : 0;
-    // d_hidden itself where it is f32 on one rank; else scratch (the sum over ranks is in place).
+    // d_hidden itself where it is f32 on one rank; else scratch (summed over the ranks in it).
     b[kDHidden] = dh && !(s.ranks == 1 && s.d_hidden_f32) ? u(M) * u(H) * 4 : 0;
     b[kTargets] = s.sequence_parallel ? u(M) * 8 : 0;
   } else {
