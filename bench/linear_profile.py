@@ -138,9 +138,14 @@ def main():
     acts = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(a.iters):
+    # One step traced and dropped first: the ranks enter the profiler at different times, and that
+    # step's collectives would count the wait for the last rank as device time.
+    sched = torch.profiler.schedule(wait=0, warmup=1, active=a.iters)
+    with torch.profiler.profile(activities=acts, schedule=sched) as prof:
+        for i in range(a.iters + 1):
             step()
+            if i < a.iters:  # a step after the last would end the cycle and start another
+                prof.step()
     per = collections.defaultdict(lambda: [0.0, 0])
     for e in prof.key_averages():
         t = e.device_time_total if cuda else e.self_cpu_time_total

@@ -405,7 +405,8 @@ ParseStatus parse_settings(int argc, char** argv, int ranks, int rank, int cuda_
       "both\n"
       "  mpirun -np 4 --oversubscribe xent_dist_bench --device cpu --check --tokens 64,256 --vocab "
       "32000\n"
-      "  mpirun -np 2 xent_dist_bench --hidden 4096 --vocab 128256 --tokens 4096,8192 --check\n"
+      "  mpirun -np 2 xent_dist_bench --hidden 4096 --vocab 128256 --tokens 8192\n"
+      "  mpirun -np 2 xent_dist_bench --hidden 1024 --vocab 32768 --tokens 1024,2048 --check\n"
       "Exit status: 0 all good, 1 a #wrong value or a runtime error, 2 a refused flag or config, "
       "or a sweep that does not fit in memory.");
 

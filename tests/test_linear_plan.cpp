@@ -148,6 +148,32 @@ TEST(LinearPlan, RefusalNamesWhatEachScheduleNeeds) {
     EXPECT_NE(std::string(e.what()).find("LinearOptions::max_chunk_bytes = 1000"),
               std::string::npos);
   }
+  // fast asked for under the default budget (its fp32 accumulator of d_weight, 1 GiB, is more
+  // than an eighth of the logits): the message says the budget was the default and what to set.
+  LinearOptions fast;
+  fast.schedule = LinearSchedule::fast;
+  try {
+    make_plan(step(2, 64128), fast);
+    ADD_FAILURE() << "no refusal";
+  } catch (const xent::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("LinearOptions::max_scratch_bytes = 0: the default budget ("),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("too small for schedule fast"), std::string::npos) << m;
+    EXPECT_NE(m.find("set max_scratch_bytes to at least "), std::string::npos) << m;
+    EXPECT_EQ(m.find("leave it 0"), std::string::npos) << m;  // it is 0
+  }
+  fast.max_scratch_bytes = 100 * kMiB;  // given: raise it
+  try {
+    make_plan(step(2, 64128), fast);
+    ADD_FAILURE() << "no refusal";
+  } catch (const xent::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("104857600: too small for schedule fast"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("raise it to at least "), std::string::npos) << e.what();
+  }
 }
 
 TEST(LinearPlan, NoRowsAndNoGradients) {

@@ -1,6 +1,7 @@
 #include "linear/plan.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "error.h"
@@ -235,24 +236,37 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
   return lean_layout(s, rb, vc == V ? V : whole(vc, 128));
 }
 
-[[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget,
+[[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget, bool given,
                          LinearSchedule asked, const Plan& fast, const Plan& lean) {
   std::string what = "LinearOptions::max_scratch_bytes = " + to_string(budget);
   if (lopt.max_scratch_bytes == 0 && lopt.max_chunk_bytes != 0)
     what = "LinearOptions::max_chunk_bytes = " + to_string(budget);
+  if (!given)
+    what = "LinearOptions::max_scratch_bytes = 0: the default budget (" + to_string(budget) +
+           " bytes, an eighth of the 16-bit logits or what lean needs)";
   std::string need;
-  if (asked != LinearSchedule::lean)
+  size_t least = SIZE_MAX;  // the least budget that admits the schedule asked for
+  if (asked != LinearSchedule::lean) {
     need += "fast needs " + to_string(fast.total) + " bytes for a chunk of " +
             to_string(fast.info.chunk_rows) + " rows";
-  if (asked != LinearSchedule::fast)
+    least = std::min(least, fast.total);
+  }
+  if (asked != LinearSchedule::fast) {
     need += std::string(need.empty() ? "" : ", ") + "lean needs " + to_string(lean.total) +
             " bytes for a chunk of " + to_string(lean.info.chunk_cols) + " columns";
-  fail(what + ": too small for " +
-       (asked == LinearSchedule::automatic ? std::string("either schedule")
-                                           : std::string("schedule ") + to_string(asked)) +
-       " of " + to_string(s.rows_all()) + " rows, hidden " + to_string(s.hidden) + " and " +
-       to_string(s.widest) + " columns on this backend (" + need +
-       "): raise it, or leave it 0 for the default");
+    least = std::min(least, lean.total);
+  }
+  const std::string which = asked == LinearSchedule::automatic
+                                ? std::string("either schedule")
+                                : std::string("schedule ") + to_string(asked);
+  fail(what + ": too small for " + which + " of " + to_string(s.rows_all()) + " rows, hidden " +
+       to_string(s.hidden) + " and " + to_string(s.widest) + " columns on this backend (" + need +
+       "): " +
+       (!given ? "set max_scratch_bytes to at least " + to_string(least) + " for " + which +
+                     ", or leave the schedule automatic"
+        : asked == LinearSchedule::automatic
+            ? "raise it to at least " + to_string(least) + ", or leave it 0 for the default"
+            : "raise it to at least " + to_string(least)));
 }
 
 }  // namespace
@@ -289,11 +303,11 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   Plan p;
   switch (lopt.schedule) {
     case LinearSchedule::fast:
-      if (!fast_fits) refuse(s, lopt, budget, lopt.schedule, fast, lean);
+      if (!fast_fits) refuse(s, lopt, budget, given, lopt.schedule, fast, lean);
       p = fast;
       break;
     case LinearSchedule::lean:
-      if (!lean_fits) refuse(s, lopt, budget, lopt.schedule, fast, lean);
+      if (!lean_fits) refuse(s, lopt, budget, given, lopt.schedule, fast, lean);
       p = lean;
       break;
     default: {
@@ -305,7 +319,7 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
       else if (lean_fits)
         p = lean;
       else
-        refuse(s, lopt, budget, lopt.schedule, fast, lean);
+        refuse(s, lopt, budget, given, lopt.schedule, fast, lean);
     }
   }
   p.info.budget = budget;
