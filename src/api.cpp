@@ -49,18 +49,6 @@ size_t record_bytes(const Options& opt) {
 
 namespace {
 
-void check_placement(const Group& group, const Options& opt, const void* ptr, const char* name) {
-  if (ptr == nullptr || group.backend() == Backend::cpu || !opt.check_pointers) return;
-  cudaPointerAttributes a{};
-  if (cudaPointerGetAttributes(&a, ptr) != cudaSuccess) {
-    cudaGetLastError();
-    fail(std::string(name) + " is not a CUDA pointer, but the group's backend is cuda");
-  }
-  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
-    fail(std::string(name) + " is host memory, but the group's backend is cuda: pass " +
-         "device memory (or use a CPU group)");
-}
-
 // XENT_CHECK_RANKS=1: the CUDA backend also exchanges and compares every call's header across
 // ranks (layout, rows, options, dtype, targets), as the CPU backend always does. It copies the
 // targets to the host and synchronises: a debugging aid, read once per process.

@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "xent/xent.h"
+
 namespace xent {
 
 // Throws xent::Error("xent: " + message).
@@ -16,5 +18,8 @@ namespace xent {
 // Throw xent::Error naming the call `what` and the CUDA / NCCL error string when status is one.
 void check_cuda(cudaError_t status, const char* what);
 void check_nccl(ncclResult_t status, const char* what);
+// On a group of the CUDA backend with Options::check_pointers, throws where `ptr` (not null) is
+// not device (or managed) memory, naming the argument `name`: a kernel would fault on it.
+void check_placement(const Group& group, const Options& opt, const void* ptr, const char* name);
 
 }  // namespace xent

@@ -93,8 +93,9 @@ struct Options {
   int64_t vocab_size = -1;        // -1: vocab_start + cols (a single rank with no padding)
   bool compute_accuracy = false;  // fills Outputs::argmax / Outputs::accuracy
   // CUDA backend: ask the driver where each pointer lives and refuse host memory with a clear
-  // error (a few driver calls per call). An adapter whose buffers are known to be on the group's
-  // device (the LibTorch adapter's tensors) turns it off.
+  // error naming the argument (a few driver calls per call; the fused lm head's too). An adapter
+  // whose buffers are known to be on the group's device (the LibTorch adapter's tensors) turns it
+  // off.
   bool check_pointers = true;
   // CUDA backend, compute capability 9.0 and newer: programmatic dependent launch, each kernel
   // scheduled while the previous one in the stream drains (about 1 % of a step at small

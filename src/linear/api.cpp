@@ -2,6 +2,8 @@
 // agreement and the plan (plan.h), then the schedule the plan chose, on the group's backend:
 // fast (fast.cpp over cpu.cpp or cuda.cpp) or lean (lean.cpp over cpu_steps.cpp or
 // cuda_steps.cpp): each schedule's loop is written once, over the backends' steps (steps.h).
+#include <utility>
+
 #include "device_scope.h"
 #include "error.h"
 #include "linear/check.h"
@@ -14,10 +16,30 @@ namespace xent {
 
 namespace {
 
+// Every buffer a kernel, GEMM or copy of the CUDA backend touches: host memory would fault there.
+void check_placements(const Group& group, const Options& opt, MatrixView hidden, MatrixView weight,
+                      TargetsView targets, const float* lse, const float* grad_output,
+                      const LinearOutputs& out) {
+  const std::pair<const void*, const char*> buffers[] = {{hidden.data, "hidden.data"},
+                                                         {weight.data, "weight.data"},
+                                                         {targets.data, "targets.data"},
+                                                         {lse, "lse"},
+                                                         {grad_output, "grad_output"},
+                                                         {out.loss, "out.loss"},
+                                                         {out.lse, "out.lse"},
+                                                         {out.z_loss, "out.z_loss"},
+                                                         {out.argmax, "out.argmax"},
+                                                         {out.accuracy, "out.accuracy"},
+                                                         {out.d_hidden.data, "out.d_hidden.data"},
+                                                         {out.d_weight.data, "out.d_weight.data"}};
+  for (const auto& [ptr, name] : buffers) check_placement(group, opt, ptr, name);
+}
+
 void run(const Group& group, linear::Pass pass, MatrixView hidden, MatrixView weight,
          TargetsView targets, const float* lse, const float* grad_output, const Options& opt,
          const LinearOptions& lopt, const LinearOutputs& out, cudaStream_t stream) {
   const linear::Call call = linear::check_call(pass, hidden, weight, targets, opt, lopt, out, lse);
+  check_placements(group, opt, hidden, weight, targets, lse, grad_output, out);
   const DeviceScope on_device(group);
   const linear::Agreed agreed = linear::agree(group, call, opt, lopt);
   if (out.plan != nullptr) *out.plan = agreed.plan.info;

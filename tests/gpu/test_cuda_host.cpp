@@ -1,10 +1,12 @@
 // The CUDA backend's host-side contracts, each with a way to fail: the group's device is made
 // current for a call and the caller's restored; the workspace never grows inside CUDA graph
-// capture; an earlier, unrelated CUDA error is neither reported as xent's nor swallowed. Every
-// test skips itself when it lacks the GPUs it needs (CI has none).
+// capture; an earlier, unrelated CUDA error is neither reported as xent's nor swallowed; host
+// buffers given to a CUDA group are refused by name before any kernel faults on them. Every test
+// skips itself when it lacks the GPUs it needs (CI has none).
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <xent/linear.h>
 #include <xent/xent.h>
 
 #include <cmath>
@@ -146,6 +148,60 @@ TEST(CudaHost, EarlierUnrelatedErrorIsNeitherReportedNorSwallowed) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation) << "xent cleared the caller's error";
   g.check_errors(nullptr);
   EXPECT_NEAR(p.loss_on_gpu(nullptr), p.loss_on_cpu(), 2e-5 * std::fabs(p.loss_on_cpu()));
+}
+
+TEST(CudaHost, HostBuffersAreRefusedByName) {
+  if (device_count() < 1) GTEST_SKIP() << "no CUDA device visible";
+  ck(cudaSetDevice(0), "cudaSetDevice");
+  const xent::Group g = xent::Group::local(Backend::cuda, 0);
+  const auto error_of = [](const auto& call) {
+    try {
+      call();
+    } catch (const xent::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // The logits path: host logits.
+  Problem p(0);
+  std::vector<float> host_logits = p.logits;
+  EXPECT_THAT(error_of([&] {
+                xent::forward(g, p.view(host_logits.data()), p.target_view(p.d_targets),
+                              xent::Options{}, p.outputs());
+              }),
+              HasSubstr("logits.data is host memory, but the group's backend is cuda"));
+  // The fused lm head: 4 rows, hidden 6, 10 columns, every buffer on the device but the one named.
+  constexpr int64_t N = 4, H = 6, V = 10;
+  std::vector<void*> device;
+  const auto on_device = [&](size_t bytes) {
+    void* d = nullptr;
+    ck(cudaMalloc(&d, bytes), "cudaMalloc");
+    ck(cudaMemset(d, 0, bytes), "cudaMemset");
+    device.push_back(d);
+    return d;
+  };
+  std::vector<float> host(V * H, 0.0f);
+  const xent::MatrixView hidden{on_device(N * H * 4), xent::DType::f32, N, H, H};
+  const xent::MatrixView weight{on_device(V * H * 4), xent::DType::f32, V, H, H};
+  const xent::TargetsView targets{on_device(N * 8), xent::IndexType::i64, N};
+  xent::LinearOutputs out;
+  out.loss = static_cast<float*>(on_device(4));
+  out.d_hidden = {on_device(N * H * 4), xent::DType::f32, N, H, H};
+  out.d_weight = {on_device(V * H * 4), xent::DType::f32, V, H, H};
+  const auto linear = [&](xent::MatrixView h, const xent::LinearOutputs& o) {
+    return error_of([&] {
+      xent::linear_forward(g, h, weight, targets, xent::Options{}, xent::LinearOptions{}, o);
+    });
+  };
+  EXPECT_THAT(linear({host.data(), xent::DType::f32, N, H, H}, out),
+              HasSubstr("hidden.data is host memory, but the group's backend is cuda"));
+  xent::LinearOutputs host_dw = out;
+  host_dw.d_weight.data = host.data();
+  EXPECT_THAT(linear(hidden, host_dw), HasSubstr("out.d_weight.data is host memory"));
+  EXPECT_EQ(linear(hidden, out), "no error");  // all on the device: it runs
+  g.check_errors(nullptr);
+  ck(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  for (void* d : device) cudaFree(d);
 }
 
 }  // namespace
