@@ -239,11 +239,11 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
 [[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget, bool given,
                          LinearSchedule asked, const Plan& fast, const Plan& lean) {
   std::string what = "LinearOptions::max_scratch_bytes = " + to_string(budget);
-  if (lopt.max_scratch_bytes == 0 && lopt.max_chunk_bytes != 0)
-    what = "LinearOptions::max_chunk_bytes = " + to_string(budget);
   if (!given)
     what = "LinearOptions::max_scratch_bytes = 0: the default budget (" + to_string(budget) +
            " bytes, an eighth of the 16-bit logits or what lean needs)";
+  else if (lopt.max_scratch_bytes == 0)
+    what = "LinearOptions::max_chunk_bytes = " + to_string(budget);
   std::string need;
   size_t least = SIZE_MAX;  // the least budget that admits the schedule asked for
   if (asked != LinearSchedule::lean) {
@@ -259,14 +259,15 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
   const std::string which = asked == LinearSchedule::automatic
                                 ? std::string("either schedule")
                                 : std::string("schedule ") + to_string(asked);
+  std::string advice = "raise it to at least " + to_string(least);
+  if (!given)
+    advice = "set max_scratch_bytes to at least " + to_string(least) + " for " + which +
+             ", or leave the schedule automatic";
+  else if (asked == LinearSchedule::automatic)
+    advice += ", or leave it 0 for the default";
   fail(what + ": too small for " + which + " of " + to_string(s.rows_all()) + " rows, hidden " +
        to_string(s.hidden) + " and " + to_string(s.widest) + " columns on this backend (" + need +
-       "): " +
-       (!given ? "set max_scratch_bytes to at least " + to_string(least) + " for " + which +
-                     ", or leave the schedule automatic"
-        : asked == LinearSchedule::automatic
-            ? "raise it to at least " + to_string(least) + ", or leave it 0 for the default"
-            : "raise it to at least " + to_string(least)));
+       "): " + advice);
 }
 
 }  // namespace
