@@ -2,7 +2,10 @@
 // the logits path's own kernels (cuda::stats, cuda::finalize, cuda::gradient) on each block of
 // fp32 logits, the gradient of a chunk in the inputs' dtype for the two GEMMs that consume it (as
 // the unfused path's), and d_hidden's sum over the ranks (device::sum_over_ranks, sums.cpp).
-// Every step on the call's stream; the scratch is the call's (scratch.h).
+// On the epilogue engine (plan: LinearGemm::epilogue) the logits GEMMs are sm90's: forward's
+// leaves tile partials that merge_tiles turns into the chunk's records, the sweep's writes the
+// chunk's 16-bit gradient itself; no fp32 logits exist. Every step on the call's stream; the
+// scratch is the call's (scratch.h).
 #include <algorithm>
 
 #include "backend.h"
@@ -11,6 +14,7 @@
 #include "linear/cuda.h"
 #include "linear/lean.h"
 #include "linear/scratch.h"
+#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent::linear {
 
@@ -34,6 +38,7 @@ class CudaLean final : public LeanSteps {
         H_(call.hidden.cols),
         vc_(plan.info.chunk_cols),
         f32_(call.hidden.dtype == DType::f32),
+        epilogue_(plan.info.gemm == LinearGemm::epilogue),
         lse_in_(lse),
         go_in_(grad_output) {
     ws_.prepare(1, call.p.layout.fields, G_, stream_);  // scalars, partials, error
@@ -83,6 +88,17 @@ class CudaLean final : public LeanSteps {
 
   void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     const device::Operand a = rows_of(h_, r0);
+    if (epilogue_) {
+      const device::Operand w = weight_rows(v0);
+      const sm90::Operands g{a.data, a.ld, w.data, w.ld, rows, cols, H_};
+      const core::Problem pc = chunk_problem(rows, v0, cols);
+      if (stats_)
+        sm90::stats_gemm(g, pc, targets_from(r0, rows), logits_, stream_);
+      else
+        sm90::gradient_gemm(g, pc, targets_from(r0, rows), lse_ + r0, ws_.scalars, row_go(r0),
+                            grad_rows(r0), vc_, stream_);
+      return;
+    }
     state_.gemm.run(false, true, rows, cols, H_, a, weight_rows(v0), 0.0f, block(r0), DType::f32,
                     ld_, stream_);
   }
@@ -93,7 +109,11 @@ class CudaLean final : public LeanSteps {
     const int fields = call_.p.layout.fields;
     float* records = scratch_.get<float>(kSend) + c * fields * M_;
     float* record = rows == M_ ? records : scratch_.get<float>(kBlockRecord);
-    cuda::stats(pc, lv, targets_from(r0, rows), record, ws_.error, stream_);
+    if (epilogue_)
+      device::merge_tiles(pc, logits_, sm90::tiles(cols), targets_from(r0, rows), record, ws_.error,
+                          stream_);
+    else
+      cuda::stats(pc, lv, targets_from(r0, rows), record, ws_.error, stream_);
     if (record != records)  // field-major [fields][rows] into [fields][M] at row r0
       check_cuda(cudaMemcpy2DAsync(records + r0, sizeof(float) * M_, record, sizeof(float) * rows,
                                    sizeof(float) * rows, fields, cudaMemcpyDeviceToDevice, stream_),
@@ -122,13 +142,11 @@ class CudaLean final : public LeanSteps {
   }
 
   void gradient(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
+    if (epilogue_) return;  // the logits GEMM's epilogue wrote it
     const core::Problem pc = chunk_problem(rows, v0, cols);
     const LogitsView lv{block(r0), DType::f32, rows, cols, vc_};
-    const DType gd = call_.hidden.dtype;
-    const LogitsView gv{static_cast<char*>(grad_) + r0 * vc_ * static_cast<int64_t>(dtype_size(gd)),
-                        gd, rows, cols, vc_};
-    const float* go = go_ != nullptr && call_.p.reduction == Reduction::none ? go_ + r0 : go_;
-    cuda::gradient(pc, lv, gv, targets_from(r0, rows), lse_ + r0, ws_.scalars, go, stream_);
+    const LogitsView gv{grad_rows(r0), call_.hidden.dtype, rows, cols, vc_};
+    cuda::gradient(pc, lv, gv, targets_from(r0, rows), lse_ + r0, ws_.scalars, row_go(r0), stream_);
   }
 
   void d_weight(int64_t v0, int64_t cols) override {
@@ -182,6 +200,15 @@ class CudaLean final : public LeanSteps {
     const MatrixView& w = call_.weight;
     return rows_of(device::Operand{w.data, w.dtype, w.row_stride}, v0);
   }
+  // The chunk's gradient from row r0, and the grad_output of those rows (per row: reduction none).
+  void* grad_rows(int64_t r0) const {
+    return static_cast<char*>(grad_) +
+           r0 * vc_ * static_cast<int64_t>(dtype_size(call_.hidden.dtype));
+  }
+  const float* row_go(int64_t r0) const {
+    return go_ != nullptr && call_.p.reduction == Reduction::none ? go_ + r0 : go_;
+  }
+
   // The gradient's scale, which its GEMMs apply (take_gemm_scale).
   const float* gemm_scale() const { return ws_.scalars + Workspace::kGemmScale; }
   device::Operand gradient_operand() const {
@@ -247,6 +274,7 @@ class CudaLean final : public LeanSteps {
   const int G_;
   const int64_t N_, M_, H_, vc_;
   const bool f32_;
+  const bool epilogue_;  // the logits GEMMs are sm90's (no fp32 logits)
   bool stats_ = false;
   int64_t ld_ = 0;  // the logits' row stride in this phase
   const float* lse_in_;

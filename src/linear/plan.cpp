@@ -5,6 +5,7 @@
 #include <string>
 
 #include "error.h"
+#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent {
 
@@ -12,6 +13,14 @@ const char* to_string(LinearSchedule s) {
   switch (s) {
     case LinearSchedule::fast: return "fast";
     case LinearSchedule::lean: return "lean";
+    default: return "automatic";
+  }
+}
+
+const char* to_string(LinearGemm g) {
+  switch (g) {
+    case LinearGemm::cublaslt: return "cublaslt";
+    case LinearGemm::epilogue: return "epilogue";
     default: return "automatic";
   }
 }
@@ -85,10 +94,13 @@ Plan fast_layout(const Shape& s, int64_t c, int64_t sub) {
   return p;
 }
 
-// lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary.
-Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
+// lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary; on the epilogue
+// engine (epi) no fp32 logits: each chunk's gradient made over every row by one GEMM (rb = M), and
+// kLogits holds forward's tile partials.
+Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   Plan p;
   p.info.schedule = LinearSchedule::lean;
+  p.info.gemm = epi ? LinearGemm::epilogue : LinearGemm::cublaslt;
   p.ranks_in_chunk = s.sequence_parallel ? s.ranks : 1;
   const int64_t M = s.rows_all(), V = s.widest, H = s.hidden, N = s.rows;
   p.info.chunk_rows = rb;
@@ -100,9 +112,12 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
   b[kRows] = 4 * u(M) * 4;
   b[kArgmax] = s.accuracy ? u(M) * 8 : 0;
   b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(M) * u(H) * 4 : 0;
+  // The tile partials of one column of tiles: every row's kTileFields floats.
+  const size_t tile_bytes = u(M) * sm90::kTileFields * 4;
   if (s.backend == Backend::cuda) {
     b[kGemmWorkspace] = kGemmWorkspaceBytes;
-    b[kLogits] = u(f32 ? M : rb) * u(vc) * 4;
+    b[kLogits] = epi ? tile_bytes * u(sm90::tiles(std::min(V, kEpilogueStatsCols)))
+                     : u(f32 ? M : rb) * u(vc) * 4;
     b[kGrad] = s.gradients && !f32 ? u(M) * u(vc) * es : 0;
     b[kHidden] = s.sequence_parallel ? u(M) * u(H) * es : 0;
     b[kMine] = s.sequence_parallel ? u(N) * u(H) * es : 0;
@@ -126,7 +141,11 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
   p.stats_rows = f32 || s.backend == Backend::cpu ? M : rb;
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
-  if (s.backend == Backend::cuda && M > 0) {
+  if (epi && M > 0) {  // the partials of whole tiles, every row
+    p.stats_rows = M;
+    p.stats_cols =
+        std::min<int64_t>(V, static_cast<int64_t>(region / tile_bytes) * sm90::kTileCols);
+  } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {
       p.stats_rows = M;
@@ -142,10 +161,11 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
 }
 
 // Rows of lean's blocks of fp32 logits: every row where the gradient is made in place over them
-// (fp32 on CUDA, and the CPU), else kLeanRows (or the rows asked for).
-int64_t lean_block_rows(const Shape& s, const LinearOptions& lopt) {
+// (fp32 on CUDA, and the CPU) or where there are none (the epilogue engine), else kLeanRows (or
+// the rows asked for).
+int64_t lean_block_rows(const Shape& s, const LinearOptions& lopt, bool epi) {
   const int64_t M = std::max<int64_t>(s.rows_all(), 1);
-  if (s.backend == Backend::cpu || s.inputs == DType::f32) return M;
+  if (s.backend == Backend::cpu || s.inputs == DType::f32 || epi) return M;
   return std::min(lopt.chunk_rows > 0 ? lopt.chunk_rows : kLeanRows, M);
 }
 
@@ -208,13 +228,14 @@ Plan plan_fast(const Shape& s, const LinearOptions& lopt, size_t budget) {
 
 // lean within `budget`, chunks of at most `most_cols` columns (more where lean's least scratch
 // needs them); info.chunks == -1 where no chunk fits.
-Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t most_cols) {
-  const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt);
-  if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V));
+Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t most_cols,
+               bool epi) {
+  const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt, epi);
+  if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V), epi);
   // The scratch grows with the columns of a chunk, save the records of the chunks, which shrink
   // with them: search above the width where the total is least (a ternary search of a function
   // that falls, then rises).
-  const auto total = [&](int64_t n) { return lean_layout(s, rb, n).total; };
+  const auto total = [&](int64_t n) { return lean_layout(s, rb, n, epi).total; };
   int64_t lo = 1, hi = V;
   while (hi - lo > 2) {
     const int64_t a = lo + (hi - lo) / 3, b = hi - (hi - lo) / 3;
@@ -229,11 +250,11 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
   const int64_t most = std::max(least, std::min(V, most_cols));
   const int64_t vc = largest(least, most, [&](int64_t n) { return total(n) <= budget; });
   if (vc < least) {
-    Plan none = lean_layout(s, rb, least);
+    Plan none = lean_layout(s, rb, least, epi);
     none.info.chunks = -1;
     return none;
   }
-  return lean_layout(s, rb, vc == V ? V : whole(vc, 128));
+  return lean_layout(s, rb, vc == V ? V : whole(vc, 128), epi);
 }
 
 [[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget, bool given,
@@ -282,13 +303,20 @@ void check_options(const LinearOptions& lopt) {
   const int s = static_cast<int>(lopt.schedule);
   if (s < 0 || s > static_cast<int>(LinearSchedule::lean))
     fail("LinearOptions::schedule = " + to_string(s) + ": must be automatic, fast or lean");
+  const int g = static_cast<int>(lopt.gemm);
+  if (g < 0 || g > static_cast<int>(LinearGemm::epilogue))
+    fail("LinearOptions::gemm = " + to_string(g) + ": must be automatic, cublaslt or epilogue");
+  if (lopt.gemm == LinearGemm::epilogue && lopt.schedule == LinearSchedule::fast)
+    fail(
+        "LinearOptions::gemm = epilogue with schedule = fast: the epilogue engine runs the lean "
+        "schedule only; choose schedule lean or automatic, or gemm cublaslt or automatic");
 }
 
 size_t default_budget(const Shape& s) {
   const size_t logits16 = u(s.rows_all()) * u(s.widest) * 2;
   LinearOptions lopt;
   lopt.chunk_cols = std::min<int64_t>(std::max<int64_t>(s.widest, 1), kLeanCols);
-  const Plan need = lean_layout(s, lean_block_rows(s, lopt), lopt.chunk_cols);
+  const Plan need = lean_layout(s, lean_block_rows(s, lopt, false), lopt.chunk_cols, false);
   return std::max({logits16 / 8, need.total, kMinBudget});
 }
 
@@ -298,7 +326,8 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   const bool given = budget != 0;
   if (!given) budget = default_budget(s);
   const Plan fast = plan_fast(s, lopt, budget);
-  const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols);
+  const bool epi = s.epilogue && lopt.gemm != LinearGemm::cublaslt;
+  const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols, epi);
   const bool fast_fits = fast.info.chunks >= 0 && fast.total <= budget;
   const bool lean_fits = lean.info.chunks >= 0 && lean.total <= budget;
   Plan p;
@@ -314,8 +343,9 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
     default: {
       // fast where its chunks are long enough for its GEMMs (or asked for), else lean.
       const bool fast_good =
-          fast_fits && (lopt.chunk_rows > 0 || fast.info.chunk_rows >= std::min(s.rows, kFastRows));
-      if (fast_good || (fast_fits && !lean_fits))
+          fast_fits && lopt.gemm != LinearGemm::epilogue &&
+          (lopt.chunk_rows > 0 || fast.info.chunk_rows >= std::min(s.rows, kFastRows));
+      if (fast_good || (fast_fits && !lean_fits && lopt.gemm != LinearGemm::epilogue))
         p = fast;
       else if (lean_fits)
         p = lean;

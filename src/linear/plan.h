@@ -30,6 +30,7 @@ struct Shape {
   bool accuracy = false;      // argmax and accuracy asked for
   int fields = 2;             // floats of a row's statistics record
   bool sums = false;          // the communicator sums (Communicator::has_sums) on every rank
+  bool epilogue = false;      // every rank can run the epilogue engine (LinearGemm::epilogue)
   int64_t rows_all() const { return rows * (sequence_parallel ? ranks : 1); }
 };
 
@@ -38,7 +39,8 @@ struct Shape {
 // three at once (their sweep has not begun).
 enum Buf : int {
   kGemmWorkspace,  // cuBLASLt's workspace (CUDA)
-  kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place)
+  kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place);
+                   // the epilogue engine: the statistics' tile partials (sm90/epilogue_gemm.h)
   kGrad,           // the gradient of a chunk in 16 bits (CUDA, 16-bit inputs)
   kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
   kHidden,         // every rank's rows of hidden (sequence parallelism; CPU: all rows in fp32)
@@ -99,6 +101,10 @@ constexpr int64_t kLeanCols = 3072;
 // it bought about 6500, and that scratch set the step's peak, 26 MiB over Liger-Kernel's, where
 // 170 and 224 MiB (about 3000 and 5000 columns) met Liger's peak at the same step time.
 constexpr int64_t kWideCols = 4096;
+
+// lean on the epilogue engine: kLogits holds the tile partials of forward's statistics over at
+// least this many columns (wider where kGrad and kDHidden, idle in forward, hold more).
+constexpr int64_t kEpilogueStatsCols = 16384;
 
 // The default budget's floor: below it the schedules' difference in memory is too small to
 // matter, and fast's fewer GEMMs win.
