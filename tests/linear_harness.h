@@ -253,8 +253,8 @@ inline xent::LinearOptions with_test_schedule(xent::LinearOptions l, int64_t wid
 // can run on the epilogue engine (the CUDA suites; the CPU's fp32 tolerances are for f32 inputs).
 // XENT_TEST_LINEAR_GEMM (ctest runs the CUDA lean suites under both): cublaslt sets
 // LinearOptions::gemm; epilogue leaves it automatic and requires the plan to take the epilogue
-// engine wherever it can (lean, bf16 inputs, H a multiple of 8): a build or device that silently
-// fell back would fail.
+// engine wherever it can (lean with gradients in forward, bf16 inputs, H a multiple of 8): a build
+// or device that silently fell back would fail.
 inline std::string test_env(const char* name) {
   const char* e = std::getenv(name);
   return e == nullptr ? std::string() : std::string(e);
@@ -270,6 +270,7 @@ inline bool wants_epilogue(const xent::Group& g, const LinearCase& c,
                            const xent::LinearPlan& plan) {
   return test_env("XENT_TEST_LINEAR_GEMM") == "epilogue" && g.backend() == xent::Backend::cuda &&
          plan.schedule == xent::LinearSchedule::lean && c.dtype == xent::DType::bf16 &&
+         c.opt.grad_mode == xent::GradMode::fused && (c.want_d_hidden || c.want_d_weight) &&
          c.H % 8 == 0 && (c.H + c.stride_extra) % 8 == 0;
 }
 

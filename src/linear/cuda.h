@@ -42,12 +42,6 @@ void store_sum(const float* src, int ranks, int64_t rank_stride, int64_t ld, Mat
 // all-reduce's 8); else an fp32 all-reduce, then the store. `partial` is scratch: overwritten.
 void sum_over_ranks(Communicator& comm, bool sequence_parallel, float* partial, int64_t rows,
                     const MatrixView& dst, int64_t r0, cudaStream_t stream);
-// The records of a chunk's pc.rows rows (core::write_record, rows pc.rows) from the epilogue
-// engine's tile partials (sm90::stats_gemm: [tiles][kTileFields][pc.rows]), merged in tile order
-// as a row's shares merge (core::merge); a target out of range reported into `error` as the
-// statistics kernel reports it. No tiles: records that say "nothing here".
-void merge_tiles(const core::Problem& pc, const float* partials, int64_t tiles,
-                 TargetsView targets, float* record, int64_t* error, cudaStream_t stream);
 // Rows [r0, r0 + rows) of dst set to 0 (d_weight's rows of padding, which have no gradient).
 void zero_rows(MatrixView dst, int64_t r0, int64_t rows, cudaStream_t stream);
 // In a set of scalars (Workspace: kScale, kGemmScale), stream-ordered: kGemmScale's {alpha, 0, 1}

@@ -1,6 +1,6 @@
 // Whether the epilogue engine (sm90/epilogue_gemm.h) runs a call's GEMMs here, and, in a build
-// without its kernels (no CUTLASS headers, or no sm_90 among the architectures: CMake says which),
-// the refusal of each kernel, which the plan never takes there.
+// without its kernel (no CUTLASS headers, or no sm_90 among the architectures: CMake says which),
+// its refusal, which the plan never takes there.
 #include <cstdint>
 #include <string>
 
@@ -42,9 +42,6 @@ std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int
 }
 
 #if !defined(XENT_HAVE_SM90_GEMMS)
-void stats_gemm(const Operands&, const core::Problem&, TargetsView, float*, cudaStream_t) {
-  fail("the stats GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0));
-}
 void gradient_gemm(const Operands&, const core::Problem&, TargetsView, const float*, const float*,
                    const float*, void*, int64_t, cudaStream_t) {
   fail("the gradient GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0));

@@ -1,19 +1,15 @@
 // The fused lm head's own kernels on the CUDA backend (cuda.h): a sum over the ranks' fp32
-// partials, rounded once into the output's dtype (a grid-stride loop over the elements), the
-// move of the gradient's scale into its GEMMs' alpha (one thread), and the records of a chunk
-// from the epilogue engine's tile partials (a thread per row, the tiles in order).
+// partials, rounded once into the output's dtype (a grid-stride loop over the elements), and the
+// move of the gradient's scale into its GEMMs' alpha (one thread).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "backend.h"
 #include "core/dtype.h"
-#include "core/record.h"
 #include "cuda/launch.cuh"
-#include "cuda/row_agents.cuh"
 #include "error.h"
 #include "linear/cuda.h"
-#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent::linear::device {
 
@@ -45,41 +41,7 @@ __global__ void take_gemm_scale_kernel(float* set, const float* grad_output) {
   set[Workspace::kScale] = 1.0f;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    merge_tiles_kernel(const core::Problem p, const float* partials, int64_t tiles,
-                       const TargetsView targets, float* record, int64_t* error) {
-  const int64_t row = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (row >= p.rows) return;
-  core::LocalStats st;
-  const bool want_sum = p.layout.sum_field >= 0, want_max = p.layout.max_field >= 0;
-  for (int64_t t = 0; t < tiles; ++t) {  // in order: the same record on every run
-    const float* f = partials + t * sm90::kTileFields * p.rows + row;
-    core::LocalStats tile;
-    tile.lse.m = f[sm90::kTileMax * p.rows];
-    tile.lse.s = f[sm90::kTileSum * p.rows];
-    tile.target_z = f[sm90::kTileTarget * p.rows];
-    if (want_sum) tile.sum_z = f[sm90::kTileSumZ * p.rows];
-    if (want_max) {
-      tile.best.value = tile.lse.m;  // the tile's largest z
-      tile.best.index = core::slot_to_index(f[sm90::kTileArgmax * p.rows]);
-    }
-    core::merge(st, tile);
-  }
-  core::write_record(st, p.layout, record, p.rows, row);
-  const int64_t y = core::load_target(targets.data, targets.type, row);
-  if (y != p.ignore_index && !core::target_in_range(y, p.vocab_size) && error != nullptr)
-    cuda::detail::report_bad_target(error, targets.data, targets.type, row);
-}
-
 }  // namespace
-
-void merge_tiles(const core::Problem& pc, const float* partials, int64_t tiles, TargetsView targets,
-                 float* record, int64_t* error, cudaStream_t stream) {
-  if (pc.rows == 0) return;
-  const auto blocks = static_cast<unsigned>((pc.rows + kThreads - 1) / kThreads);
-  merge_tiles_kernel<<<blocks, kThreads, 0, stream>>>(pc, partials, tiles, targets, record, error);
-  check_cuda(cudaGetLastError(), "xent merge_tiles kernel launch");
-}
 
 void zero_rows(MatrixView dst, int64_t r0, int64_t rows, cudaStream_t stream) {
   if (rows <= 0) return;

@@ -5,7 +5,6 @@
 #include <string>
 
 #include "error.h"
-#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent {
 
@@ -35,6 +34,11 @@ using std::to_string;
 
 size_t u(int64_t v) {
   return static_cast<size_t>(std::max<int64_t>(v, 0));
+}
+
+// n rounded down to a multiple of `tile` where it is larger than one.
+int64_t whole(int64_t n, int64_t tile) {
+  return n > tile ? n - n % tile : n;
 }
 
 // Offsets of the buffers, each aligned to 256 bytes, and the total.
@@ -95,8 +99,8 @@ Plan fast_layout(const Shape& s, int64_t c, int64_t sub) {
 }
 
 // lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary; on the epilogue
-// engine (epi) no fp32 logits: each chunk's gradient made over every row by one GEMM (rb = M), and
-// kLogits holds forward's tile partials.
+// engine (epi) the sweep has no fp32 logits: each chunk's gradient is made over every row by one
+// GEMM (rb = M), and kLogits serves forward's alone.
 Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   Plan p;
   p.info.schedule = LinearSchedule::lean;
@@ -112,12 +116,9 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   b[kRows] = 4 * u(M) * 4;
   b[kArgmax] = s.accuracy ? u(M) * 8 : 0;
   b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(M) * u(H) * 4 : 0;
-  // The tile partials of one column of tiles: every row's kTileFields floats.
-  const size_t tile_bytes = u(M) * sm90::kTileFields * 4;
   if (s.backend == Backend::cuda) {
     b[kGemmWorkspace] = kGemmWorkspaceBytes;
-    b[kLogits] = epi ? tile_bytes * u(sm90::tiles(std::min(V, kEpilogueStatsCols)))
-                     : u(f32 ? M : rb) * u(vc) * 4;
+    b[kLogits] = epi ? 0 : u(f32 ? M : rb) * u(vc) * 4;  // epi: forward's, below
     b[kGrad] = s.gradients && !f32 ? u(M) * u(vc) * es : 0;
     b[kHidden] = s.sequence_parallel ? u(M) * u(H) * es : 0;
     b[kMine] = s.sequence_parallel ? u(N) * u(H) * es : 0;
@@ -141,10 +142,16 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   p.stats_rows = f32 || s.backend == Backend::cpu ? M : rb;
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
-  if (epi && M > 0) {  // the partials of whole tiles, every row
+  if (epi) {
+    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward) hold,
+    // or the sweep's chunks where they hold less (forward alone: no gradients); kLogits holds the
+    // rest, at least a column.
+    const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
+    int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1)));
+    wide = std::max(wide, s.gradients ? int64_t{1} : vc);
     p.stats_rows = M;
-    p.stats_cols =
-        std::min<int64_t>(V, static_cast<int64_t>(region / tile_bytes) * sm90::kTileCols);
+    p.stats_cols = wide == V ? V : whole(wide, 128);
+    b[kLogits] = std::max(col, col * u(p.stats_cols) - std::min(idle, col * u(p.stats_cols)));
   } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {
@@ -183,10 +190,6 @@ int64_t largest(int64_t lo, int64_t hi, F fits) {
   return lo;
 }
 
-// n rounded down to a multiple of `tile` where it is larger than one.
-int64_t whole(int64_t n, int64_t tile) {
-  return n > tile ? n - n % tile : n;
-}
 
 // Whether the CUDA backend makes fast's fp32 logits a sub-chunk at a time (16-bit inputs).
 bool has_sub_chunks(const Shape& s) {
@@ -326,7 +329,8 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   const bool given = budget != 0;
   if (!given) budget = default_budget(s);
   const Plan fast = plan_fast(s, lopt, budget);
-  const bool epi = s.epilogue && lopt.gemm != LinearGemm::cublaslt;
+  // The epilogue engine makes the sweep's gradient: a call without gradients has none to make.
+  const bool epi = s.epilogue && s.gradients && lopt.gemm != LinearGemm::cublaslt;
   const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols, epi);
   const bool fast_fits = fast.info.chunks >= 0 && fast.total <= budget;
   const bool lean_fits = lean.info.chunks >= 0 && lean.total <= budget;

@@ -40,7 +40,7 @@ struct Shape {
 enum Buf : int {
   kGemmWorkspace,  // cuBLASLt's workspace (CUDA)
   kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place);
-                   // the epilogue engine: the statistics' tile partials (sm90/epilogue_gemm.h)
+                   // the epilogue engine: forward's alone, with kGrad and kDHidden after it
   kGrad,           // the gradient of a chunk in 16 bits (CUDA, 16-bit inputs)
   kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
   kHidden,         // every rank's rows of hidden (sequence parallelism; CPU: all rows in fp32)
@@ -101,10 +101,6 @@ constexpr int64_t kLeanCols = 3072;
 // it bought about 6500, and that scratch set the step's peak, 26 MiB over Liger-Kernel's, where
 // 170 and 224 MiB (about 3000 and 5000 columns) met Liger's peak at the same step time.
 constexpr int64_t kWideCols = 4096;
-
-// lean on the epilogue engine: kLogits holds the tile partials of forward's statistics over at
-// least this many columns (wider where kGrad and kDHidden, idle in forward, hold more).
-constexpr int64_t kEpilogueStatsCols = 16384;
 
 // The default budget's floor: below it the schedules' difference in memory is too small to
 // matter, and fast's fewer GEMMs win.

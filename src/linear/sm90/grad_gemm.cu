@@ -23,7 +23,7 @@ struct GradVisit {
   };
 
   template <class Acc, class Crd>
-  static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int n, int, int) {
+  static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int n) {
     using namespace cute;
     using F32 = core::Elem<DType::f32>;
     using BF16 = core::Elem<DType::bf16>;

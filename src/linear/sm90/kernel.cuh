@@ -1,4 +1,4 @@
-// One CUTLASS 3 kernel composition for both epilogue GEMMs (CUTLASS's own layering: a collective
+// One CUTLASS 3 kernel composition for the epilogue GEMMs (CUTLASS's own layering: a collective
 // mainloop, an epilogue, a kernel schedule): bf16 operands read by TMA, fp32 accumulators, a
 // persistent warp-specialized cooperative kernel of 128 x 256 tiles on clusters of two, and an
 // epilogue of xent's own (`Visit`) handed each consumer thread's accumulators in registers with
@@ -26,7 +26,6 @@ namespace xent::linear::sm90 {
 
 using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
 using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-static_assert(cute::size<1>(TileShape{}) == kTileCols);
 
 // A wgmma accumulator fragment ((2, 2, V), M, N) of one thread seen as (rows, columns): ((2, M),
 // (2, V, N)). The four threads of a quad hold the same rows, each a quarter of their columns.
@@ -87,6 +86,7 @@ struct RegisterEpilogue {
     using namespace cute;
     const int m = get<0>(problem), n = get<1>(problem);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    (void)k_coord, (void)l_coord;
     Tensor coords = local_tile(make_identity_tensor(make_shape(m, n)), take<0, 2>(blk_shape),
                                make_coord(m_coord, n_coord));  // (BLK_M, BLK_N) -> (row, col)
     Tensor thread_coords = tiled_mma.get_thread_slice(thread_idx).partition_C(coords);
@@ -94,7 +94,7 @@ struct RegisterEpilogue {
     CUTE_STATIC_ASSERT_V(size(thread_coords) == size(accumulators));
     Tensor acc = make_tensor(accumulators.data(), rows_cols(accumulators.layout()));
     Tensor crd = make_tensor(thread_coords.data(), rows_cols(thread_coords.layout()));
-    Visit::tile(params, acc, crd, m, n, static_cast<int>(n_coord), thread_idx);
+    Visit::tile(params, acc, crd, m, n);
   }
 
   Params params;
@@ -145,12 +145,5 @@ struct EpilogueKernel {
     check_cuda(cudaGetLastError(), what);
   }
 };
-
-// The four threads of a quad (lanes 4q .. 4q + 3) hold the same rows: f merged over them.
-template <typename T, typename F>
-CUTLASS_DEVICE T quad_merge(T v, F f) {
-  v = f(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return f(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
 
 }  // namespace xent::linear::sm90
