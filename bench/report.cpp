@@ -152,9 +152,9 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
     std::printf("#\n");
     std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s %14s\n", "", "", "", "",
                 "forward", "backward", "total", "gemm3", "", "", "extra", "", "");
-    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s %14s\n", "tokens",
-                "vocab/rank", "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "x floor", "MiB",
-                "#wrong", "path");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s %14s\n", "tokens", "vocab/rank",
+                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "x floor", "MiB", "#wrong",
+                "path");
     std::fflush(stdout);
     return;
   }

@@ -41,12 +41,14 @@ const char* to_string(LinearSchedule s);
 // Which GEMMs make the logits (docs/linear.md, "GEMM engines"):
 //   cublaslt: cuBLASLt writes fp32 logits, and the logits path's kernels read them back (every
 //         CUDA build and device; the CPU backend's BLAS is named so too);
-//   epilogue: xent's own sm_90a GEMMs (CUTLASS) run the statistics and the gradient on their
-//         accumulators, so that no fp32 logits exist: the lean schedule, bf16 inputs, a build with
-//         the kernels (CUTLASS's headers found, sm_90 among its architectures), an H100 or H200,
+//   epilogue: the lean sweep's logits GEMM is xent's own for sm_90a (CUTLASS), whose epilogue
+//         writes the chunk's 16-bit gradient from its fp32 accumulators, so that the sweep's
+//         fp32 logits never exist: the lean schedule with gradients, bf16 inputs, a build with
+//         the kernel (CUTLASS's headers found, sm_90 among its architectures), an H100 or H200,
 //         rows of hidden and weight 16-byte aligned;
 //   automatic: epilogue where every rank can run it and the plan takes lean, else cublaslt.
-// The d_weight and d_hidden GEMMs are cuBLASLt's on either.
+// Forward's logits GEMM and the d_weight and d_hidden GEMMs are cuBLASLt's on either (forward's
+// statistics in an epilogue measured slower: docs/linear.md).
 enum class LinearGemm { automatic, cublaslt, epilogue };
 const char* to_string(LinearGemm g);
 

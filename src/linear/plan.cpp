@@ -190,7 +190,6 @@ int64_t largest(int64_t lo, int64_t hi, F fits) {
   return lo;
 }
 
-
 // Whether the CUDA backend makes fast's fp32 logits a sub-chunk at a time (16-bit inputs).
 bool has_sub_chunks(const Shape& s) {
   return s.backend == Backend::cuda && s.inputs != DType::f32;
