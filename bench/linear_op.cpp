@@ -373,6 +373,9 @@ LinearOperation::LinearOperation(const Settings& s, xent::Group& group, Device& 
   lopt_.schedule = s.schedule == "fast"   ? xent::LinearSchedule::fast
                    : s.schedule == "lean" ? xent::LinearSchedule::lean
                                           : xent::LinearSchedule::automatic;
+  lopt_.gemm = s.gemm == "cublaslt"   ? xent::LinearGemm::cublaslt
+               : s.gemm == "epilogue" ? xent::LinearGemm::epilogue
+                                      : xent::LinearGemm::automatic;
 }
 
 LinearOperation::~LinearOperation() = default;
@@ -483,7 +486,7 @@ void LinearOperation::forward() {
   xent::LinearPlan plan;
   out.plan = &plan;
   xent::linear_forward(group_, size_->hv, size_->wv, size_->tv, opt_, lopt_, out, dev_.stream());
-  path_ = xent::to_string(plan.schedule);
+  path_ = std::string(xent::to_string(plan.schedule)) + " " + xent::to_string(plan.gemm);
 }
 
 void LinearOperation::backward() {

@@ -305,6 +305,18 @@ const std::vector<Option> kOptions = {
        r.s.schedule = v->value;
      },
      [](const Settings& s, json& c) { c["schedule"] = s.schedule; }},
+    {"gemm", "--gemm", "E",
+     "--hidden: the engine of the fused lm head's logits GEMMs, auto (the plan's choice), "
+     "cublaslt or epilogue (xent's sm_90a GEMMs; LinearOptions::gemm); the path column says which "
+     "ran",
+     true,
+     [](Resolve& r, const Source* v) {
+       if (!v) return;
+       if (v->value != "auto" && v->value != "cublaslt" && v->value != "epilogue")
+         refuse(*v, "must be auto, cublaslt or epilogue");
+       r.s.gemm = v->value;
+     },
+     [](const Settings& s, json& c) { c["gemm"] = s.gemm; }},
     {"chunk_rows", "--chunk-rows", "N",
      "--hidden: LinearOptions::chunk_rows (fast: rows per chunk; lean: rows per block of fp32 "
      "logits); 0: the plan's",

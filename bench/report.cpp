@@ -80,6 +80,7 @@ nlohmann::json to_json(const Settings& s, const Env& env, const std::vector<Resu
       row["x_gemm3"] = r.gemm3_ms > 0 ? json(x_gemm3(r)) : json(nullptr);
       row["exact_floor_ms"] = r.gemm3_ms > 0 ? json(exact_floor_ms(r, env)) : json(nullptr);
       row["x_floor"] = r.gemm3_ms > 0 ? json(x_floor(r, env)) : json(nullptr);
+      row["path"] = r.path;  // the plan's schedule and GEMM engine
     } else {
       row.update({{"path", r.path},
                   {"allgather_ms", r.gather_ms},
@@ -145,11 +146,15 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
     std::printf(
         "# x floor: total / (gemm3 + 8 bytes a logit at the copy bandwidth), the floor of an exact "
         "step: fp32 logits written, read once, their gradient written\n");
+    std::printf(
+        "# path: the plan's schedule (fast, lean) and the engine of its logits GEMMs (cublaslt, "
+        "or epilogue: xent's sm_90a GEMM with the gradient in its epilogue)\n");
     std::printf("#\n");
-    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s\n", "", "", "", "", "forward",
-                "backward", "total", "gemm3", "", "", "extra", "");
-    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s\n", "tokens", "vocab/rank",
-                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "x floor", "MiB", "#wrong");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s %14s\n", "", "", "", "",
+                "forward", "backward", "total", "gemm3", "", "", "extra", "", "");
+    std::printf("# %8s %11s %7s %9s %9s %9s %9s %9s %8s %8s %9s %7s %14s\n", "tokens", "vocab/rank",
+                "hidden", "mode", "ms", "ms", "ms", "ms", "x gemm3", "x floor", "MiB", "#wrong",
+                "path");
     std::fflush(stdout);
     return;
   }
@@ -182,9 +187,9 @@ void print_row(const Settings& s, const Env& env, const Result& r) {
       std::snprintf(xf, sizeof xf, "%.2f", x_floor(r, env));
     }
     std::printf("%10" PRId64 " %11" PRId64 " %7" PRId64
-                " %9s %9.3f %9.3f %9.3f %9s %8s %8s %9.2f %7s\n",
+                " %9s %9.3f %9.3f %9.3f %9s %8s %8s %9.2f %7s %14s\n",
                 r.tokens, r.width, s.hidden, r.mode.c_str(), r.fwd_ms, r.bwd_ms, r.total_ms, gemm3,
-                x, xf, r.extra_bytes / (1 << 20), wrong);
+                x, xf, r.extra_bytes / (1 << 20), wrong, r.path.c_str());
     std::fflush(stdout);
     return;
   }

@@ -39,11 +39,27 @@ xent_install_deps() {
   else
     xent_say "build dependencies present (cmake, g++, Open MPI, GoogleTest, yaml-cpp, nlohmann-json, CLI11, OpenBLAS)"
   fi
+  xent_install_cutlass
   if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     xent_say "the CUDA toolkit (nvcc, with NCCL) is required: install CUDA 12.4+ from NVIDIA"
     xent_say "(https://developer.nvidia.com/cuda-downloads) and NCCL (libnccl-dev), then retry"
     return 1
   fi
+}
+
+# CUTLASS's C++ headers for the fused lm head's sm_90a epilogue GEMMs (cmake/cutlass.cmake finds
+# them in this package): PyPI's nvidia-cutlass, pure Python, pinned; --no-deps, since only its
+# headers are used. Without it the build keeps cuBLASLt alone and says so.
+XENT_CUTLASS_PIP=nvidia-cutlass==4.2.0.0
+xent_install_cutlass() {
+  command -v python3 >/dev/null || return 0
+  if python3 -c "import importlib.metadata as m, sys
+sys.exit(m.version('nvidia-cutlass') != '${XENT_CUTLASS_PIP#*==}')" 2>/dev/null; then
+    return 0
+  fi
+  xent_say "installing CUTLASS's headers from PyPI (python3 -m pip install --no-deps $XENT_CUTLASS_PIP)"
+  python3 -m pip install -q --no-deps "$XENT_CUTLASS_PIP" >&2 ||
+    xent_say "pip could not install $XENT_CUTLASS_PIP: building without the sm_90a epilogue GEMMs"
 }
 
 xent_cuda_arch() {

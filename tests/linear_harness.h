@@ -248,11 +248,38 @@ inline xent::LinearOptions with_test_schedule(xent::LinearOptions l, int64_t wid
   return l;
 }
 
+// XENT_TEST_LINEAR_BF16=1: the inputs of every case of f32 inputs in bf16 (f16 cases stay f16),
+// every row stride a multiple of 8 elements (stride_extra 8, the gap still NaN), so that the cases
+// can run on the epilogue engine (the CUDA suites; the CPU's fp32 tolerances are for f32 inputs).
+// XENT_TEST_LINEAR_GEMM (ctest runs the CUDA lean suites under both): cublaslt sets
+// LinearOptions::gemm; epilogue leaves it automatic and requires the plan to take the epilogue
+// engine wherever it can (lean with gradients in forward, bf16 inputs, H a multiple of 8): a build
+// or device that silently fell back would fail.
+inline std::string test_env(const char* name) {
+  const char* e = std::getenv(name);
+  return e == nullptr ? std::string() : std::string(e);
+}
+inline void with_test_engine(LinearCase& c) {
+  if (test_env("XENT_TEST_LINEAR_BF16") == "1") {
+    if (c.dtype == xent::DType::f32) c.dtype = xent::DType::bf16;
+    c.stride_extra = 8;
+  }
+  if (test_env("XENT_TEST_LINEAR_GEMM") == "cublaslt") c.lopt.gemm = xent::LinearGemm::cublaslt;
+}
+inline bool wants_epilogue(const xent::Group& g, const LinearCase& c,
+                           const xent::LinearPlan& plan) {
+  return test_env("XENT_TEST_LINEAR_GEMM") == "epilogue" && g.backend() == xent::Backend::cuda &&
+         plan.schedule == xent::LinearSchedule::lean && c.dtype == xent::DType::bf16 &&
+         c.opt.grad_mode == xent::GradMode::fused && (c.want_d_hidden || c.want_d_weight) &&
+         c.H % 8 == 0 && (c.H + c.stride_extra) % 8 == 0;
+}
+
 // Runs linear_forward (and linear_backward for deferred) on this rank of `g` and checks every
 // output against the reference of the whole problem.
 inline LinearGot run_linear(const xent::Group& g, const LinearCase& case_in) {
   LinearCase c = case_in;
   c.lopt = with_test_schedule(c.lopt, *std::max_element(c.widths.begin(), c.widths.end()));
+  with_test_engine(c);
   using xent::DType;
   using xent::Reduction;
   LinearGot got;
@@ -347,6 +374,8 @@ inline LinearGot run_linear(const xent::Group& g, const LinearCase& case_in) {
   // The plan stays within its budget, and takes the schedule asked for.
   EXPECT_LE(plan.scratch_bytes, plan.budget);
   if (c.lopt.schedule != xent::LinearSchedule::automatic) EXPECT_EQ(plan.schedule, c.lopt.schedule);
+  if (wants_epilogue(g, c, plan)) EXPECT_EQ(plan.gemm, xent::LinearGemm::epilogue);
+  if (c.lopt.gemm == xent::LinearGemm::cublaslt) EXPECT_EQ(plan.gemm, xent::LinearGemm::cublaslt);
   got.plan = plan;
   std::vector<float> go(c.grad_output.begin(), c.grad_output.end());
   if (deferred) {

@@ -188,3 +188,67 @@ TEST(LinearPlan, NoRowsAndNoGradients) {
 }
 
 }  // namespace
+
+namespace {
+
+// The epilogue engine (every rank can run it): lean takes it, with no fp32 logits in the sweep:
+// one gradient GEMM over every row per chunk (chunk_rows = rows) and wider chunks within the same
+// budget; forward's fp32 logits over every row in the sweep's idle buffers. Fast, a forward
+// without gradients, and a shape whose ranks cannot run it keep cuBLASLt; gemm = cublaslt is
+// honoured.
+TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
+  for (int tp : {1, 2, 4}) {
+    SCOPED_TRACE("TP " + std::to_string(tp));
+    Shape s = step(tp, 128256 / tp);
+    const Plan cublaslt = make_plan(s, LinearOptions{});
+    EXPECT_EQ(cublaslt.info.gemm, xent::LinearGemm::cublaslt) << "no rank can run the epilogue";
+    s.epilogue = true;
+    const Plan p = make_plan(s, LinearOptions{});
+    EXPECT_EQ(p.info.schedule, LinearSchedule::lean);
+    EXPECT_EQ(p.info.gemm, xent::LinearGemm::epilogue);
+    EXPECT_EQ(p.info.budget, cublaslt.info.budget);
+    EXPECT_LE(p.total, p.info.budget);
+    EXPECT_EQ(p.info.chunk_rows, s.rows_all());
+    EXPECT_EQ(p.stats_rows, s.rows_all());
+    EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's fp32 logits in the sweep's buffers";
+    EXPECT_GE(p.info.chunk_cols, cublaslt.info.chunk_cols) << "the fp32 block's bytes freed";
+    EXPECT_LT(p.bytes[xent::linear::kLogits], cublaslt.bytes[xent::linear::kLogits]);
+    LinearOptions forced;
+    forced.gemm = xent::LinearGemm::cublaslt;
+    EXPECT_EQ(make_plan(s, forced).info.gemm, xent::LinearGemm::cublaslt);
+    Shape forward_only = s;
+    forward_only.gradients = false;
+    EXPECT_EQ(make_plan(forward_only, LinearOptions{}).info.gemm, xent::LinearGemm::cublaslt);
+    LinearOptions fast;
+    fast.schedule = LinearSchedule::fast;
+    fast.max_scratch_bytes = size_t(8) << 30;
+    EXPECT_EQ(make_plan(s, fast).info.gemm, xent::LinearGemm::cublaslt);
+  }
+}
+
+// gemm = epilogue with automatic schedule takes lean even where the budget holds fast; with
+// schedule fast it is refused by name.
+TEST(LinearPlan, EpilogueAskedFor) {
+  Shape s = step(1, 128256);
+  s.epilogue = true;
+  LinearOptions l;
+  l.gemm = xent::LinearGemm::epilogue;
+  l.max_scratch_bytes = size_t(8) << 30;  // holds fast
+  const Plan p = make_plan(s, l);
+  EXPECT_EQ(p.info.schedule, LinearSchedule::lean);
+  EXPECT_EQ(p.info.gemm, xent::LinearGemm::epilogue);
+  l.schedule = LinearSchedule::fast;
+  try {
+    make_plan(s, l);
+    ADD_FAILURE() << "gemm = epilogue with schedule = fast was planned";
+  } catch (const xent::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("LinearOptions::gemm = epilogue with schedule = fast"),
+              std::string::npos)
+        << e.what();
+  }
+  LinearOptions bad;
+  bad.gemm = static_cast<xent::LinearGemm>(7);
+  EXPECT_THROW(make_plan(s, bad), xent::Error);
+}
+
+}  // namespace

@@ -38,6 +38,20 @@ struct MatrixView {
 enum class LinearSchedule { automatic, fast, lean };
 const char* to_string(LinearSchedule s);
 
+// Which GEMMs make the logits (docs/linear.md, "GEMM engines"):
+//   cublaslt: cuBLASLt writes fp32 logits, and the logits path's kernels read them back (every
+//         CUDA build and device; the CPU backend's BLAS is named so too);
+//   epilogue: the lean sweep's logits GEMM is xent's own for sm_90a (CUTLASS), whose epilogue
+//         writes the chunk's 16-bit gradient from its fp32 accumulators, so that the sweep's
+//         fp32 logits never exist: the lean schedule with gradients, bf16 inputs, a build with
+//         the kernel (CUTLASS's headers found, sm_90 among its architectures), an H100 or H200,
+//         rows of hidden and weight 16-byte aligned;
+//   automatic: epilogue where every rank can run it and the plan takes lean, else cublaslt.
+// Forward's logits GEMM and the d_weight and d_hidden GEMMs are cuBLASLt's on either (forward's
+// statistics in an epilogue measured slower: docs/linear.md).
+enum class LinearGemm { automatic, cublaslt, epilogue };
+const char* to_string(LinearGemm g);
+
 struct LinearOptions {
   // false: every rank holds the same hidden [N, H] and targets [N]. true (sequence parallelism):
   // rank k holds its own N_k rows of hidden and their targets, N_k the same on every rank, and
@@ -60,6 +74,9 @@ struct LinearOptions {
   int64_t chunk_rows = 0;
   // lean: columns of each chunk of the vocabulary (of this rank's shard). 0: from the budget.
   int64_t chunk_cols = 0;
+  // The engine of the logits GEMMs (LinearGemm). epilogue where a rank cannot run it is refused,
+  // saying why; so is epilogue with schedule fast.
+  LinearGemm gemm = LinearGemm::automatic;
   // d_weight += the gradient rather than = it (Megatron's main_grad); d_weight must be f32, and
   // its padding rows (past vocab_size) are left as they are.
   bool accumulate_d_weight = false;
@@ -76,6 +93,7 @@ struct LinearPlan {
   int64_t chunk_rows = 0;    // fast: this rank's rows per chunk; lean: rows per block of logits
   int64_t chunk_cols = 0;    // lean: vocabulary columns per chunk; fast: the shard's
   int64_t chunks = 0;        // fast: chunks of rows; lean: chunks of the vocabulary
+  LinearGemm gemm = LinearGemm::cublaslt;  // the logits GEMMs' engine, never automatic
 };
 
 // Where linear_forward writes (and linear_backward: d_hidden and d_weight only). "This rank's

@@ -226,7 +226,9 @@ def linear_cross_entropy_plan(hidden, weight, target, group=None, *, sequence_pa
     """The plan linear_cross_entropy takes for the same arguments (plain tensors, hidden [rows, H]
     and target [rows]), computing nothing: a dict of schedule ("fast" or "lean"), budget (bytes),
     scratch_bytes (what the call allocates beyond its inputs and outputs, at most the budget),
-    chunk_rows, chunk_cols and chunks (docs/linear.md, "Schedules and the budget"). A collective
+    chunk_rows, chunk_cols, chunks and gemm, the engine of the logits GEMMs ("cublaslt", or
+    "epilogue": the lean sweep's gradient from the accumulators of xent's own sm_90a GEMM)
+    (docs/linear.md, "Schedules and the budget", "GEMM engines"). A collective
     as the call is: every rank of `group` calls it alike. The plan of grad_mode "fused" is the
     forward's that computes the gradients; "none" the statistics' alone."""
     need = weight.requires_grad or hidden.requires_grad
@@ -237,9 +239,10 @@ def linear_cross_entropy_plan(hidden, weight, target, group=None, *, sequence_pa
         softcap, reduction, vocab_start, vocab_size, grad_scale, sequence_parallel, chunk_rows,
         _budget(max_scratch_bytes, max_chunk_bytes), schedule, grads and hidden.requires_grad,
         grads and weight.requires_grad)
-    names = ["schedule", "budget", "scratch_bytes", "chunk_rows", "chunk_cols", "chunks"]
+    names = ["schedule", "budget", "scratch_bytes", "chunk_rows", "chunk_cols", "chunks", "gemm"]
     plan = dict(zip(names, out))
     plan["schedule"] = "lean" if plan["schedule"] == 1 else "fast"
+    plan["gemm"] = "epilogue" if plan["gemm"] == 1 else "cublaslt"
     return plan
 
 

@@ -8,6 +8,7 @@
 #include "core/math.h"
 #include "error.h"
 #include "layout.h"
+#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent::linear {
 
@@ -130,11 +131,12 @@ struct Header {
   int64_t chunk_rows = 0;
   int64_t chunk_cols = 0;
   int64_t schedule = 0;
+  int64_t gemm = 0;
   int64_t budget = 0;    // max_scratch_bytes, else max_chunk_bytes
   int64_t d_hidden = 0;  // computed here: it is summed over the ranks
   int64_t valid_rows = 0;
   // What the plan reads of each rank beyond the above (plan.h: Shape), combined over the ranks.
-  int64_t d_hidden_f32 = 0, d_weight = 0, d_weight_f32 = 0, sums = 0;
+  int64_t d_hidden_f32 = 0, d_weight = 0, d_weight_f32 = 0, sums = 0, epilogue = 0;
 };
 
 // Fails on every rank alike where a field differs from rank 0's.
@@ -184,6 +186,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.chunk_rows = lopt.chunk_rows;
   mine.chunk_cols = lopt.chunk_cols;
   mine.schedule = static_cast<int64_t>(lopt.schedule);
+  mine.gemm = static_cast<int64_t>(lopt.gemm);
   mine.budget = static_cast<int64_t>(lopt.max_scratch_bytes != 0 ? lopt.max_scratch_bytes
                                                                  : lopt.max_chunk_bytes);
   mine.d_hidden = call.gradients && call.out.d_hidden.data != nullptr ? 1 : 0;
@@ -192,6 +195,14 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.d_weight = call.gradients && dw.data != nullptr ? 1 : 0;
   mine.d_weight_f32 = dw.dtype == DType::f32 ? 1 : 0;
   mine.sums = group.comm().has_sums() ? 1 : 0;
+  // The epilogue engine reads hidden (or its gathered copy, rows of H) and the weight by TMA.
+  const std::string no_epilogue =
+      group.backend() != Backend::cuda
+          ? std::string("the group's backend is cpu")
+          : sm90::why_not(call.hidden.dtype, call.hidden.data,
+                          call.sequence_parallel ? call.hidden.cols : call.hidden.row_stride,
+                          call.weight.data, call.weight.row_stride);
+  mine.epilogue = no_epilogue.empty() && call.hidden.cols % 8 == 0 ? 1 : 0;
 
   const int ranks = group.size();
   std::vector<Header> all(ranks);
@@ -219,6 +230,8 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
               "every rank must make the same chunks", show_int);
   expect_same(all, &Header::schedule, "LinearOptions::schedule",
               "every rank must take the same schedule", show_int);
+  expect_same(all, &Header::gemm, "LinearOptions::gemm", "every rank must take the same engine",
+              show_int);
   expect_same(all, &Header::budget, "LinearOptions::max_scratch_bytes",
               "every rank must make the same chunks", show_int);
   expect_same(all, &Header::d_hidden, "out.d_hidden set",
@@ -240,7 +253,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   shape.inputs = call.hidden.dtype;
   shape.gradients = call.gradients;
   shape.d_hidden = mine.d_hidden != 0;
-  shape.d_hidden_f32 = shape.d_weight_f32 = shape.sums = true;
+  shape.d_hidden_f32 = shape.d_weight_f32 = shape.sums = shape.epilogue = true;
   shape.accuracy = p.layout.max_field >= 0;
   shape.fields = p.layout.fields;
   for (const Header& h : all) {
@@ -249,9 +262,17 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
     shape.d_weight = shape.d_weight || h.d_weight != 0;
     shape.d_weight_f32 = shape.d_weight_f32 && h.d_weight_f32 != 0;
     shape.sums = shape.sums && h.sums != 0;
+    shape.epilogue = shape.epilogue && h.epilogue != 0;
     if (call.sequence_parallel) a.valid_rows += h.valid_rows;
   }
   if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
+  if (lopt.gemm == LinearGemm::epilogue && !shape.epilogue) {
+    std::string why = mine.epilogue ? "another rank cannot run it" : no_epilogue;
+    if (why.empty())
+      why = "hidden.cols = " + to_string(call.hidden.cols) + " is not a multiple of 8";
+    fail("LinearOptions::gemm = epilogue: " + why +
+         "; leave gemm automatic (it takes cublaslt there) or choose cublaslt");
+  }
   a.plan = make_plan(shape, lopt);
   return a;
 }

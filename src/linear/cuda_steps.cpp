@@ -2,6 +2,8 @@
 // the logits path's own kernels (cuda::stats, cuda::finalize, cuda::gradient) on each block of
 // fp32 logits, the gradient of a chunk in the inputs' dtype for the two GEMMs that consume it (as
 // the unfused path's), and d_hidden's sum over the ranks (device::sum_over_ranks, sums.cpp).
+// On the epilogue engine (plan: LinearGemm::epilogue) the sweep's logits GEMM is sm90's, and
+// writes the chunk's 16-bit gradient itself over every row: the sweep's fp32 logits never exist.
 // Every step on the call's stream; the scratch is the call's (scratch.h).
 #include <algorithm>
 
@@ -11,6 +13,7 @@
 #include "linear/cuda.h"
 #include "linear/lean.h"
 #include "linear/scratch.h"
+#include "linear/sm90/epilogue_gemm.h"
 
 namespace xent::linear {
 
@@ -34,6 +37,7 @@ class CudaLean final : public LeanSteps {
         H_(call.hidden.cols),
         vc_(plan.info.chunk_cols),
         f32_(call.hidden.dtype == DType::f32),
+        epilogue_(plan.info.gemm == LinearGemm::epilogue),
         lse_in_(lse),
         go_in_(grad_output) {
     ws_.prepare(1, call.p.layout.fields, G_, stream_);  // scalars, partials, error
@@ -83,6 +87,13 @@ class CudaLean final : public LeanSteps {
 
   void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     const device::Operand a = rows_of(h_, r0);
+    if (epilogue_ && !stats_) {  // the gradient straight from the accumulators
+      const device::Operand w = weight_rows(v0);
+      const sm90::Operands g{a.data, a.ld, w.data, w.ld, rows, cols, H_};
+      sm90::gradient_gemm(g, chunk_problem(rows, v0, cols), targets_from(r0, rows), lse_ + r0,
+                          ws_.scalars, row_go(r0), grad_rows(r0), vc_, stream_);
+      return;
+    }
     state_.gemm.run(false, true, rows, cols, H_, a, weight_rows(v0), 0.0f, block(r0), DType::f32,
                     ld_, stream_);
   }
@@ -122,13 +133,11 @@ class CudaLean final : public LeanSteps {
   }
 
   void gradient(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
+    if (epilogue_) return;  // the logits GEMM's epilogue wrote it
     const core::Problem pc = chunk_problem(rows, v0, cols);
     const LogitsView lv{block(r0), DType::f32, rows, cols, vc_};
-    const DType gd = call_.hidden.dtype;
-    const LogitsView gv{static_cast<char*>(grad_) + r0 * vc_ * static_cast<int64_t>(dtype_size(gd)),
-                        gd, rows, cols, vc_};
-    const float* go = go_ != nullptr && call_.p.reduction == Reduction::none ? go_ + r0 : go_;
-    cuda::gradient(pc, lv, gv, targets_from(r0, rows), lse_ + r0, ws_.scalars, go, stream_);
+    const LogitsView gv{grad_rows(r0), call_.hidden.dtype, rows, cols, vc_};
+    cuda::gradient(pc, lv, gv, targets_from(r0, rows), lse_ + r0, ws_.scalars, row_go(r0), stream_);
   }
 
   void d_weight(int64_t v0, int64_t cols) override {
@@ -182,6 +191,15 @@ class CudaLean final : public LeanSteps {
     const MatrixView& w = call_.weight;
     return rows_of(device::Operand{w.data, w.dtype, w.row_stride}, v0);
   }
+  // The chunk's gradient from row r0, and the grad_output of those rows (per row: reduction none).
+  void* grad_rows(int64_t r0) const {
+    return static_cast<char*>(grad_) +
+           r0 * vc_ * static_cast<int64_t>(dtype_size(call_.hidden.dtype));
+  }
+  const float* row_go(int64_t r0) const {
+    return go_ != nullptr && call_.p.reduction == Reduction::none ? go_ + r0 : go_;
+  }
+
   // The gradient's scale, which its GEMMs apply (take_gemm_scale).
   const float* gemm_scale() const { return ws_.scalars + Workspace::kGemmScale; }
   device::Operand gradient_operand() const {
@@ -247,6 +265,7 @@ class CudaLean final : public LeanSteps {
   const int G_;
   const int64_t N_, M_, H_, vc_;
   const bool f32_;
+  const bool epilogue_;  // the logits GEMMs are sm90's (no fp32 logits)
   bool stats_ = false;
   int64_t ld_ = 0;  // the logits' row stride in this phase
   const float* lse_in_;

@@ -16,6 +16,14 @@ const char* to_string(LinearSchedule s) {
   }
 }
 
+const char* to_string(LinearGemm g) {
+  switch (g) {
+    case LinearGemm::cublaslt: return "cublaslt";
+    case LinearGemm::epilogue: return "epilogue";
+    default: return "automatic";
+  }
+}
+
 }  // namespace xent
 
 namespace xent::linear {
@@ -26,6 +34,11 @@ using std::to_string;
 
 size_t u(int64_t v) {
   return static_cast<size_t>(std::max<int64_t>(v, 0));
+}
+
+// n rounded down to a multiple of `tile` where it is larger than one.
+int64_t whole(int64_t n, int64_t tile) {
+  return n > tile ? n - n % tile : n;
 }
 
 // Offsets of the buffers, each aligned to 256 bytes, and the total.
@@ -85,10 +98,13 @@ Plan fast_layout(const Shape& s, int64_t c, int64_t sub) {
   return p;
 }
 
-// lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary.
-Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
+// lean: blocks of rb rows of fp32 logits, chunks of vc columns of the vocabulary; on the epilogue
+// engine (epi) the sweep has no fp32 logits: each chunk's gradient is made over every row by one
+// GEMM (rb = M), and kLogits serves forward's alone.
+Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   Plan p;
   p.info.schedule = LinearSchedule::lean;
+  p.info.gemm = epi ? LinearGemm::epilogue : LinearGemm::cublaslt;
   p.ranks_in_chunk = s.sequence_parallel ? s.ranks : 1;
   const int64_t M = s.rows_all(), V = s.widest, H = s.hidden, N = s.rows;
   p.info.chunk_rows = rb;
@@ -102,7 +118,7 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
   b[kGathered] = dh && s.ranks > 1 && !s.sums ? G * u(M) * u(H) * 4 : 0;
   if (s.backend == Backend::cuda) {
     b[kGemmWorkspace] = kGemmWorkspaceBytes;
-    b[kLogits] = u(f32 ? M : rb) * u(vc) * 4;
+    b[kLogits] = epi ? 0 : u(f32 ? M : rb) * u(vc) * 4;  // epi: forward's, below
     b[kGrad] = s.gradients && !f32 ? u(M) * u(vc) * es : 0;
     b[kHidden] = s.sequence_parallel ? u(M) * u(H) * es : 0;
     b[kMine] = s.sequence_parallel ? u(N) * u(H) * es : 0;
@@ -126,7 +142,17 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
   p.stats_rows = f32 || s.backend == Backend::cpu ? M : rb;
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
-  if (s.backend == Backend::cuda && M > 0) {
+  if (epi) {
+    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward) hold,
+    // or the sweep's chunks where they hold less (forward alone: no gradients); kLogits holds the
+    // rest, at least a column.
+    const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
+    int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1)));
+    wide = std::max(wide, s.gradients ? int64_t{1} : vc);
+    p.stats_rows = M;
+    p.stats_cols = wide == V ? V : whole(wide, 128);
+    b[kLogits] = std::max(col, col * u(p.stats_cols) - std::min(idle, col * u(p.stats_cols)));
+  } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {
       p.stats_rows = M;
@@ -142,10 +168,11 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc) {
 }
 
 // Rows of lean's blocks of fp32 logits: every row where the gradient is made in place over them
-// (fp32 on CUDA, and the CPU), else kLeanRows (or the rows asked for).
-int64_t lean_block_rows(const Shape& s, const LinearOptions& lopt) {
+// (fp32 on CUDA, and the CPU) or where there are none (the epilogue engine), else kLeanRows (or
+// the rows asked for).
+int64_t lean_block_rows(const Shape& s, const LinearOptions& lopt, bool epi) {
   const int64_t M = std::max<int64_t>(s.rows_all(), 1);
-  if (s.backend == Backend::cpu || s.inputs == DType::f32) return M;
+  if (s.backend == Backend::cpu || s.inputs == DType::f32 || epi) return M;
   return std::min(lopt.chunk_rows > 0 ? lopt.chunk_rows : kLeanRows, M);
 }
 
@@ -161,11 +188,6 @@ int64_t largest(int64_t lo, int64_t hi, F fits) {
       hi = mid - 1;
   }
   return lo;
-}
-
-// n rounded down to a multiple of `tile` where it is larger than one.
-int64_t whole(int64_t n, int64_t tile) {
-  return n > tile ? n - n % tile : n;
 }
 
 // Whether the CUDA backend makes fast's fp32 logits a sub-chunk at a time (16-bit inputs).
@@ -208,13 +230,14 @@ Plan plan_fast(const Shape& s, const LinearOptions& lopt, size_t budget) {
 
 // lean within `budget`, chunks of at most `most_cols` columns (more where lean's least scratch
 // needs them); info.chunks == -1 where no chunk fits.
-Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t most_cols) {
-  const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt);
-  if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V));
+Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t most_cols,
+               bool epi) {
+  const int64_t V = std::max<int64_t>(s.widest, 1), rb = lean_block_rows(s, lopt, epi);
+  if (lopt.chunk_cols > 0) return lean_layout(s, rb, std::min(lopt.chunk_cols, V), epi);
   // The scratch grows with the columns of a chunk, save the records of the chunks, which shrink
   // with them: search above the width where the total is least (a ternary search of a function
   // that falls, then rises).
-  const auto total = [&](int64_t n) { return lean_layout(s, rb, n).total; };
+  const auto total = [&](int64_t n) { return lean_layout(s, rb, n, epi).total; };
   int64_t lo = 1, hi = V;
   while (hi - lo > 2) {
     const int64_t a = lo + (hi - lo) / 3, b = hi - (hi - lo) / 3;
@@ -229,11 +252,11 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
   const int64_t most = std::max(least, std::min(V, most_cols));
   const int64_t vc = largest(least, most, [&](int64_t n) { return total(n) <= budget; });
   if (vc < least) {
-    Plan none = lean_layout(s, rb, least);
+    Plan none = lean_layout(s, rb, least, epi);
     none.info.chunks = -1;
     return none;
   }
-  return lean_layout(s, rb, vc == V ? V : whole(vc, 128));
+  return lean_layout(s, rb, vc == V ? V : whole(vc, 128), epi);
 }
 
 [[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget, bool given,
@@ -282,13 +305,20 @@ void check_options(const LinearOptions& lopt) {
   const int s = static_cast<int>(lopt.schedule);
   if (s < 0 || s > static_cast<int>(LinearSchedule::lean))
     fail("LinearOptions::schedule = " + to_string(s) + ": must be automatic, fast or lean");
+  const int g = static_cast<int>(lopt.gemm);
+  if (g < 0 || g > static_cast<int>(LinearGemm::epilogue))
+    fail("LinearOptions::gemm = " + to_string(g) + ": must be automatic, cublaslt or epilogue");
+  if (lopt.gemm == LinearGemm::epilogue && lopt.schedule == LinearSchedule::fast)
+    fail(
+        "LinearOptions::gemm = epilogue with schedule = fast: the epilogue engine runs the lean "
+        "schedule only; choose schedule lean or automatic, or gemm cublaslt or automatic");
 }
 
 size_t default_budget(const Shape& s) {
   const size_t logits16 = u(s.rows_all()) * u(s.widest) * 2;
   LinearOptions lopt;
   lopt.chunk_cols = std::min<int64_t>(std::max<int64_t>(s.widest, 1), kLeanCols);
-  const Plan need = lean_layout(s, lean_block_rows(s, lopt), lopt.chunk_cols);
+  const Plan need = lean_layout(s, lean_block_rows(s, lopt, false), lopt.chunk_cols, false);
   return std::max({logits16 / 8, need.total, kMinBudget});
 }
 
@@ -298,7 +328,9 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
   const bool given = budget != 0;
   if (!given) budget = default_budget(s);
   const Plan fast = plan_fast(s, lopt, budget);
-  const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols);
+  // The epilogue engine makes the sweep's gradient: a call without gradients has none to make.
+  const bool epi = s.epilogue && s.gradients && lopt.gemm != LinearGemm::cublaslt;
+  const Plan lean = plan_lean(s, lopt, budget, given ? s.widest : kWideCols, epi);
   const bool fast_fits = fast.info.chunks >= 0 && fast.total <= budget;
   const bool lean_fits = lean.info.chunks >= 0 && lean.total <= budget;
   Plan p;
@@ -314,8 +346,9 @@ Plan make_plan(const Shape& s, const LinearOptions& lopt) {
     default: {
       // fast where its chunks are long enough for its GEMMs (or asked for), else lean.
       const bool fast_good =
-          fast_fits && (lopt.chunk_rows > 0 || fast.info.chunk_rows >= std::min(s.rows, kFastRows));
-      if (fast_good || (fast_fits && !lean_fits))
+          fast_fits && lopt.gemm != LinearGemm::epilogue &&
+          (lopt.chunk_rows > 0 || fast.info.chunk_rows >= std::min(s.rows, kFastRows));
+      if (fast_good || (fast_fits && !lean_fits && lopt.gemm != LinearGemm::epilogue))
         p = fast;
       else if (lean_fits)
         p = lean;

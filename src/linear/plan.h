@@ -30,6 +30,7 @@ struct Shape {
   bool accuracy = false;      // argmax and accuracy asked for
   int fields = 2;             // floats of a row's statistics record
   bool sums = false;          // the communicator sums (Communicator::has_sums) on every rank
+  bool epilogue = false;      // every rank can run the epilogue engine (LinearGemm::epilogue)
   int64_t rows_all() const { return rows * (sequence_parallel ? ranks : 1); }
 };
 
@@ -38,7 +39,8 @@ struct Shape {
 // three at once (their sweep has not begun).
 enum Buf : int {
   kGemmWorkspace,  // cuBLASLt's workspace (CUDA)
-  kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place)
+  kLogits,         // fp32 logits of a chunk or block (then, where fp32, their gradient in place);
+                   // the epilogue engine: forward's alone, with kGrad and kDHidden after it
   kGrad,           // the gradient of a chunk in 16 bits (CUDA, 16-bit inputs)
   kDHidden,        // fp32 d_hidden: lean's accumulator [rows, H]; fast's sum of a chunk (CPU)
   kHidden,         // every rank's rows of hidden (sequence parallelism; CPU: all rows in fp32)

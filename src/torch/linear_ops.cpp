@@ -222,7 +222,8 @@ std::vector<int64_t> plan_op(const at::Tensor& hidden, const at::Tensor& weight,
           static_cast<int64_t>(p.scratch_bytes),
           p.chunk_rows,
           p.chunk_cols,
-          p.chunks};
+          p.chunks,
+          p.gemm == LinearGemm::epilogue ? 1 : 0};
 }
 
 }  // namespace

@@ -244,7 +244,9 @@ def test_plan_default_and_asked():
         p = xent.linear_cross_entropy_plan(h, w, target, schedule=schedule)
         assert p["schedule"] == schedule and p["scratch_bytes"] <= p["budget"], p
     assert set(default) == {"schedule", "budget", "scratch_bytes", "chunk_rows", "chunk_cols",
-                            "chunks"}
+                            "chunks", "gemm"}
+    # The CPU backend and f32 inputs: cuBLASLt's name, never the sm_90a engine.
+    assert default["gemm"] == "cublaslt" and p["gemm"] == "cublaslt", (default, p)
 
 
 @pytest.mark.parametrize("grad_mode", ["fused", "deferred"])

@@ -1,0 +1,41 @@
+// The epilogue engine of the fused lm head (docs/linear.md, "GEMM engines"): xent's own GEMM for
+// sm_90a, a CUTLASS 3 kernel (TMA, warp-specialized, fp32 accumulators) whose epilogue runs the
+// logits path's gradient on the accumulators, so that the lean sweep's fp32 logits are never
+// written. This header holds no CUTLASS: the kernel lives in grad_gemm.cu, built only where CMake
+// found CUTLASS's headers and sm_90 is among the architectures (XENT_HAVE_SM90_GEMMS).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/problem.h"
+#include "xent/xent.h"
+
+namespace xent::linear::sm90 {
+
+// The logits GEMM z = a @ b^T: a [m, k] and b [n, k], row-major bf16 with leading dimensions lda
+// and ldb (elements).
+struct Operands {
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  int64_t m = 0, n = 0, k = 0;
+};
+
+// Why the engine cannot run a GEMM of these operands here ("" where it can): the build holds no
+// kernels, the current device is not compute capability 9.0, the inputs are not bf16, or a
+// pointer or leading dimension is not 16-byte aligned (TMA's rule).
+std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int64_t ldb);
+
+// grad [m, n] (bf16, leading dimension ldg): the gradient of the logits a @ b^T, whose column 0
+// is pc.vocab_start of the vocabulary (pc: that chunk's problem), as cuda::gradient makes it from
+// fp32 logits (GradAgent), from each row's lse, scalars[Workspace::kScale] and a per-row
+// grad_output (reduction none; null: 1); targets [m].
+void gradient_gemm(const Operands& g, const core::Problem& pc, TargetsView targets,
+                   const float* lse, const float* scalars, const float* grad_output, void* grad,
+                   int64_t ldg, cudaStream_t stream);
+
+}  // namespace xent::linear::sm90
