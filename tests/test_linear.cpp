@@ -439,6 +439,22 @@ TEST(LinearErrors, ChunkOptions) {
   EXPECT_THAT(e.forward(), HasSubstr("LinearOptions::chunk_cols = -1: must be >= 1, or 0"));
 }
 
+TEST(LinearErrors, GemmEngine) {
+  Call c;
+  SKIP_UNLESS_HOST(c);
+  c.lopt.gemm = xent::LinearGemm::epilogue;
+  EXPECT_THAT(c.forward(),
+              HasSubstr("LinearOptions::gemm = epilogue: the group's backend is cpu; leave gemm "
+                        "automatic"));
+  Call d;
+  d.lopt.gemm = static_cast<xent::LinearGemm>(9);
+  EXPECT_THAT(d.forward(),
+              HasSubstr("LinearOptions::gemm = 9: must be automatic, cublaslt or epilogue"));
+  Call e;
+  e.lopt.gemm = xent::LinearGemm::cublaslt;
+  EXPECT_NO_THROW(xent::linear_forward(e.g, e.hv, e.wv, e.tg.view(), e.opt, e.lopt, e.out));
+}
+
 TEST(LinearErrors, GradientsAndGradModes) {
   Call c;
   c.opt.grad_mode = GradMode::deferred;

@@ -201,8 +201,8 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
           ? std::string("the group's backend is cpu")
           : sm90::why_not(call.hidden.dtype, call.hidden.data,
                           call.sequence_parallel ? call.hidden.cols : call.hidden.row_stride,
-                          call.weight.data, call.weight.row_stride);
-  mine.epilogue = no_epilogue.empty() && call.hidden.cols % 8 == 0 ? 1 : 0;
+                          call.weight.data, call.weight.row_stride, call.hidden.cols);
+  mine.epilogue = no_epilogue.empty() ? 1 : 0;
 
   const int ranks = group.size();
   std::vector<Header> all(ranks);
@@ -267,9 +267,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   }
   if (!call.sequence_parallel) a.valid_rows = mine.valid_rows;  // the same targets everywhere
   if (lopt.gemm == LinearGemm::epilogue && !shape.epilogue) {
-    std::string why = mine.epilogue ? "another rank cannot run it" : no_epilogue;
-    if (why.empty())
-      why = "hidden.cols = " + to_string(call.hidden.cols) + " is not a multiple of 8";
+    const std::string why = mine.epilogue ? "another rank cannot run it" : no_epilogue;
     fail("LinearOptions::gemm = epilogue: " + why +
          "; leave gemm automatic (it takes cublaslt there) or choose cublaslt");
   }

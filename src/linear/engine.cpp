@@ -17,9 +17,10 @@ bool aligned(const void* p, int64_t ld) {
 
 }  // namespace
 
-std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int64_t ldb) {
+std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int64_t ldb,
+                    int64_t k) {
 #if !defined(XENT_HAVE_SM90_GEMMS)
-  (void)inputs, (void)a, (void)lda, (void)b, (void)ldb;
+  (void)inputs, (void)a, (void)lda, (void)b, (void)ldb, (void)k;
   return "this build has no sm_90a kernels (built without CUTLASS's headers, or without sm_90 "
          "among its CUDA architectures)";
 #else
@@ -37,6 +38,8 @@ std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int
     return std::string("hidden.dtype = ") + to_string(inputs) + ": the kernels take bf16";
   if (!aligned(a, lda) || !aligned(b, ldb))
     return "hidden's or weight's data or row_stride is not 16-byte aligned (TMA's rule)";
+  if (k % 8 != 0)
+    return "hidden.cols = " + std::to_string(k) + " is not a multiple of 8 (16 bytes of bf16)";
   return "";
 #endif
 }
@@ -44,7 +47,7 @@ std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int
 #if !defined(XENT_HAVE_SM90_GEMMS)
 void gradient_gemm(const Operands&, const core::Problem&, TargetsView, const float*, const float*,
                    const float*, void*, int64_t, cudaStream_t) {
-  fail("the gradient GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0));
+  fail("the gradient GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0, 0));
 }
 #endif
 

@@ -143,12 +143,11 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
   if (epi) {
-    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward) hold,
-    // or the sweep's chunks where they hold less (forward alone: no gradients); kLogits holds the
-    // rest, at least a column.
+    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward: epi
+    // comes with gradients) hold; kLogits holds at least one column.
     const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
-    int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1)));
-    wide = std::max(wide, s.gradients ? int64_t{1} : vc);
+    const int64_t wide = std::max<int64_t>(
+        1, std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1))));
     p.stats_rows = M;
     p.stats_cols = wide == V ? V : whole(wide, 128);
     b[kLogits] = std::max(col, col * u(p.stats_cols) - std::min(idle, col * u(p.stats_cols)));

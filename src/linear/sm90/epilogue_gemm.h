@@ -27,8 +27,10 @@ struct Operands {
 
 // Why the engine cannot run a GEMM of these operands here ("" where it can): the build holds no
 // kernels, the current device is not compute capability 9.0, the inputs are not bf16, or a
-// pointer or leading dimension is not 16-byte aligned (TMA's rule).
-std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int64_t ldb);
+// pointer, leading dimension or k (the rows' length) is not a multiple of 16 bytes (TMA's and
+// CUTLASS's rule).
+std::string why_not(DType inputs, const void* a, int64_t lda, const void* b, int64_t ldb,
+                    int64_t k);
 
 // grad [m, n] (bf16, leading dimension ldg): the gradient of the logits a @ b^T, whose column 0
 // is pc.vocab_start of the vocabulary (pc: that chunk's problem), as cuda::gradient makes it from
