@@ -26,6 +26,7 @@ and size, see vocab_parallel_cross_entropy).
 
 import functools
 import importlib
+import inspect
 import sys
 import types
 import warnings
@@ -272,7 +273,7 @@ def _rebind(old, new):
                 setattr(module, name, new)
 
 
-def patch():
+def patch(fused_lm_head=False):
     """Makes Megatron-core call xent: megatron.core.tensor_parallel.vocab_parallel_cross_entropy
     (the unfused path, config.cross_entropy_loss_fusion = False) and
     megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy (the fused
@@ -291,8 +292,26 @@ def patch():
     linear_cross_entropy is replaced too, by a wrapper of xent.megatron.linear_cross_entropy;
     where it does not, that module is neither imported nor required.
 
+    fused_lm_head=True also gives GPTModel a fused lm head: where it computes the loss of its
+    labels in training (post_process, no multi-token prediction, no inference context, an output
+    layer without bias), GPTModel._postprocess hands the output layer's weight shard (the
+    embedding's where they are tied) and the hidden states to xent.megatron.linear_cross_entropy
+    (sequence parallelism as the model's config says) and never makes the logits; it returns the
+    per-token loss [b, s] that Megatron's own returns, which the training loop masks and scales
+    as before. Elsewhere (no labels, inference, MTP) Megatron's own _postprocess runs.
+
     The same names and modules in megatron-core 0.16.1 and 0.19.2; in 0.19 LanguageModule passes
     tp_group=self.tp_group to the unfused function, which xent's takes as 0.19's does."""
+    if fused_lm_head and not _lm_head:
+        gpt = _target_module("megatron.core.models.gpt.gpt_model", True)
+        original = vars(gpt.GPTModel).get("_postprocess")
+        if original is None:
+            raise RuntimeError(
+                "xent.megatron.patch(fused_lm_head=True): megatron.core's GPTModel has no "
+                "_postprocess: this megatron-core is not one xent.megatron knows (tested with "
+                "0.16.1 and 0.19.2)")
+        gpt.GPTModel._postprocess = _fused_postprocess(original)
+        _lm_head[gpt.GPTModel] = original
     if _replaced:
         return
     found = []
@@ -310,10 +329,55 @@ def patch():
         _replaced[entry_point] = original
 
 
+# While patch(fused_lm_head=True) holds: GPTModel -> its own _postprocess.
+_lm_head = {}
+
+
+def _fused_postprocess(original):
+    """GPTModel._postprocess with the fused lm head where it applies, else `original`."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def postprocess(self, *args, **kwargs):
+        a = signature.bind(self, *args, **kwargs).arguments
+        labels = a.get("labels")
+        inference = (a.get("inference_context") is not None
+                     or a.get("inference_params") is not None) and not self.training
+        if (labels is None or not self.post_process or inference or a.get("mtp_in_postprocess")
+                or getattr(self.config, "mtp_num_layers", None)
+                or getattr(self.output_layer, "bias", None) is not None):
+            return original(self, *args, **kwargs)
+        return _lm_head_loss(self, a["hidden_states"], labels)
+    return postprocess
+
+
+def _lm_head_loss(model, hidden, labels):
+    """The per-token loss [b, s] of GPTModel `model` from its final hidden states [s, b, h]
+    (with sequence parallelism this rank's s / tp of them) and labels [b, s]."""
+    weight = (model.shared_embedding_or_output_weight()
+              if model.share_embeddings_and_output_weights else model.output_layer.weight)
+    pgs = getattr(model, "pg_collection", None)
+    tp = getattr(pgs, "tp", None)
+    if tp is None:
+        tp = _import_megatron("megatron.core.parallel_state",
+                              "xent.megatron.patch(fused_lm_head=True)"
+                              ).get_tensor_model_parallel_group()
+    world = tp.size()
+    b, s = labels.shape
+    sp = bool(model.config.sequence_parallel) and world > 1
+    loss = linear_cross_entropy(hidden, weight, labels.transpose(0, 1).contiguous(),
+                                tp if world > 1 else None, reduction="none", sequence_parallel=sp)
+    return loss.view(s, b).transpose(0, 1).contiguous()
+
+
 def unpatch():
     """Undoes patch(): every module attribute that holds an entry point patch() installed (the
     places patch() changed, and modules that imported one by name since) holds Megatron's
-    original function object again. Does nothing if not patched."""
+    original function object again, and GPTModel its own _postprocess. Does nothing if not
+    patched."""
     for entry_point, original in _replaced.items():
         _rebind(entry_point, original)
     _replaced.clear()
+    for cls, original in _lm_head.items():
+        cls._postprocess = original
+    _lm_head.clear()

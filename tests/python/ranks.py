@@ -10,6 +10,24 @@ import sys
 import time
 
 
+def has_megatron():
+    """Whether megatron-core is installed (the reference of the Megatron tests)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:  # no `megatron` package at all
+        return False
+
+
+def needs_megatron(reference):
+    """The skip mark of a Megatron test whose reference is `reference` (Megatron's own ...)."""
+    import pytest
+    return pytest.mark.skipif(
+        not has_megatron(),
+        reason="megatron-core is not installed (pip install megatron-core==0.16.1, or 0.19.2 "
+               f"under Python 3.12); the reference for these tests is Megatron's own {reference}")
+
+
 def launch(worker_file, backend, tmp, world=2, deadline_s=240):
     """Runs `world` ranks to completion or the deadline; returns (per-rank results, reports)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")

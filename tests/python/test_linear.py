@@ -461,15 +461,7 @@ def test_megatron_one_rank():
         check_exact(w.grad, want[2], want[4], torch.float32, "d_weight")
 
 
-def _has_megatron():
-    try:
-        import importlib.util
-        return importlib.util.find_spec("megatron.core") is not None
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not _has_megatron(), reason="megatron-core is not installed")
+@pytest.mark.skipif(not ranks.has_megatron(), reason="megatron-core is not installed")
 def test_megatron_patch_covers_the_linear_path_where_it_exists(tmp_path):
     """In fresh processes: megatron-core 0.16.1 has no fused_linear_cross_entropy, and patch()
     leaves that path alone (imports nothing of it); a megatron-core with it (a stand-in module)

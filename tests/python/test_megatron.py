@@ -49,7 +49,6 @@ Run (from the repository root, with the library built):
 
 import functools
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 import pathlib
@@ -79,17 +78,7 @@ CASES = list(UNFUSED_CASES) + list(FUSED_CASES) + OTHER_CASES
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
-def _has_megatron():
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ImportError:  # no `megatron` package at all
-        return False
-
-
-needs_megatron = pytest.mark.skipif(
-    not _has_megatron(),
-    reason="megatron-core is not installed (pip install megatron-core==0.16.1, or 0.19.2 under "
-           "Python 3.12); the reference for these tests is Megatron's own function")
+needs_megatron = ranks.needs_megatron("function")
 
 
 # =============================================================================== the parent
