@@ -294,11 +294,12 @@ def patch(fused_lm_head=False):
 
     fused_lm_head=True also gives GPTModel a fused lm head: where it computes the loss of its
     labels in training (post_process, no multi-token prediction, no inference context, an output
-    layer without bias), GPTModel._postprocess hands the output layer's weight shard (the
-    embedding's where they are tied) and the hidden states to xent.megatron.linear_cross_entropy
-    (sequence parallelism as the model's config says) and never makes the logits; it returns the
-    per-token loss [b, s] that Megatron's own returns, which the training loop masks and scales
-    as before. Elsewhere (no labels, inference, MTP) Megatron's own _postprocess runs.
+    layer without bias; in 0.19 no MuP scaling of the logits and no output_processor),
+    GPTModel._postprocess hands the output layer's weight shard (the embedding's where they are
+    tied) and the hidden states to xent.megatron.linear_cross_entropy (sequence parallelism as
+    the model's config says) and never makes the logits; it returns the per-token loss [b, s]
+    that Megatron's own returns, which the training loop masks and scales as before. Elsewhere
+    (no labels, inference, MTP, MuP) Megatron's own _postprocess runs.
 
     The same names and modules in megatron-core 0.16.1 and 0.19.2; in 0.19 LanguageModule passes
     tp_group=self.tp_group to the unfused function, which xent's takes as 0.19's does."""
@@ -343,8 +344,12 @@ def _fused_postprocess(original):
         labels = a.get("labels")
         inference = (a.get("inference_context") is not None
                      or a.get("inference_params") is not None) and not self.training
+        # Megatron's own where it does more than the loss of the output layer's logits: MTP,
+        # 0.19's MuP scaling of the logits and its output_processor hook.
         if (labels is None or not self.post_process or inference or a.get("mtp_in_postprocess")
                 or getattr(self.config, "mtp_num_layers", None)
+                or getattr(self.config, "use_mup", False)
+                or a.get("output_processor") is not None
                 or getattr(self.output_layer, "bias", None) is not None):
             return original(self, *args, **kwargs)
         return _lm_head_loss(self, a["hidden_states"], labels)
