@@ -80,9 +80,18 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go, const OpArgs& 
 // Whether forward's gradients (computed for grad_output = grad_scale) are final: grad_output
 // (undefined: 1) equals grad_scale in every element, on every rank. The recompute is a
 // collective, so the ranks agree first (an all-gather of one byte each). CUDA tensors are
-// compared on the device and the verdict read back: one synchronisation, in backward.
+// compared on the device and the verdict read back: one synchronisation, in backward. While
+// `stream` is captured into a CUDA graph nothing can be read back (capture refuses the
+// synchronisation): not final, so the gradients are recomputed with grad_output on the device,
+// exact whatever its value in each replay (every rank of a captured step is capturing alike).
 bool forward_gradients_final(const Group& g, const at::Tensor& go, float grad_scale,
                              cudaStream_t stream) {
+  if (g.backend() == Backend::cuda) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+    XENT_CHECK(e == cudaSuccess, "cudaStreamIsCapturing: ", cudaGetErrorString(e));
+    if (capture != cudaStreamCaptureStatusNone) return false;
+  }
   const uint8_t mine =
       !go.defined() || go.numel() == 0 ? grad_scale == 1.0f : go.eq(grad_scale).all().item<bool>();
   if (g.size() == 1) return mine != 0;
