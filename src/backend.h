@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "core/problem.h"
 #include "xent/xent.h"
@@ -45,6 +46,9 @@ struct Workspace {
   // The fused lm head's scratch (src/linear/: its chunk buffers, each backend's own type), grown
   // by it and freed with the group.
   std::shared_ptr<void> linear;
+  // Every rank's header of the fused lm head's last exchange on a CUDA group of several ranks
+  // (src/linear/check.cpp: exchange), for the calls captured into a CUDA graph.
+  std::vector<unsigned char> linear_headers;
 
   Workspace() = default;
   Workspace(const Workspace&) = delete;

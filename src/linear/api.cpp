@@ -41,7 +41,7 @@ void run(const Group& group, linear::Pass pass, MatrixView hidden, MatrixView we
   const linear::Call call = linear::check_call(pass, hidden, weight, targets, opt, lopt, out, lse);
   check_placements(group, opt, hidden, weight, targets, lse, grad_output, out);
   const DeviceScope on_device(group);
-  const linear::Agreed agreed = linear::agree(group, call, opt, lopt);
+  const linear::Agreed agreed = linear::agree(group, call, opt, lopt, stream);
   if (out.plan != nullptr) *out.plan = agreed.plan.info;
   const bool cpu = group.backend() == Backend::cpu;
   if (agreed.plan.info.schedule == LinearSchedule::lean) {
@@ -86,7 +86,7 @@ LinearPlan linear_plan(const Group& group, MatrixView hidden, MatrixView weight,
   const linear::Call call =
       linear::check_call(pass, hidden, weight, targets, opt, lopt, o, backward ? &dummy : nullptr);
   const DeviceScope on_device(group);
-  return linear::agree(group, call, opt, lopt).plan.info;
+  return linear::agree(group, call, opt, lopt, nullptr).plan.info;
 }
 
 }  // namespace xent

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "backend.h"
 #include "core/dtype.h"
 #include "core/math.h"
 #include "error.h"
@@ -158,9 +159,61 @@ std::string show_dtype(int64_t v) {
   return to_string(static_cast<DType>(v));
 }
 
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+// Every rank's header. One rank exchanges nothing. Several on CUDA stage it through the device, a
+// synchronisation that a stream being captured into a CUDA graph refuses; so each exchange is
+// kept in the group's workspace, and a captured call takes every rank's header to be its own
+// (every rank captures the same step) but for what differs between the ranks: their shards of
+// the vocabulary and their engines, from the last exchange. Its own must match there: the step
+// ran once before capture (as capture needs anyway).
+std::vector<Header> exchange(const Group& group, const Header& mine, cudaStream_t stream) {
+  const int ranks = group.size();
+  std::vector<Header> all(ranks);
+  if (ranks == 1) {
+    all[0] = mine;
+    return all;
+  }
+  const bool cuda = group.backend() == Backend::cuda;
+  std::vector<unsigned char>& last = group.workspace().linear_headers;
+  if (cuda && capturing(stream)) {
+    const Header* before = reinterpret_cast<const Header*>(last.data());
+    const core::LayoutHeader* me =
+        last.size() == all.size() * sizeof(Header) ? &before[group.rank()].layout : nullptr;
+    if (me == nullptr || me->vocab_start != mine.layout.vocab_start ||
+        me->width != mine.layout.width || me->vocab_size != mine.layout.vocab_size)
+      fail("linear_cross_entropy over " + to_string(ranks) +
+           " CUDA ranks, captured into a CUDA graph before any uncaptured call with this shard "
+           "of the vocabulary (vocab_start " +
+           to_string(mine.layout.vocab_start) + ", width " + to_string(mine.layout.width) +
+           ", vocab_size " + to_string(mine.layout.vocab_size) +
+           ") on this group: its ranks agree on the shards on the host, which capture refuses; "
+           "run the step once before capturing it");
+    for (int k = 0; k < ranks; ++k) {
+      all[k] = mine;
+      all[k].layout.vocab_start = before[k].layout.vocab_start;
+      all[k].layout.width = before[k].layout.width;
+      all[k].epilogue = before[k].epilogue;
+      all[k].sums = before[k].sums;
+    }
+    return all;
+  }
+  gather_on_host(group, &mine, all.data(), sizeof mine);
+  if (cuda) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(all.data());
+    last.assign(bytes, bytes + all.size() * sizeof(Header));
+  }
+  return all;
+}
+
 }  // namespace
 
-Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt) {
+Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt,
+             cudaStream_t stream) {
   const core::Problem& p = call.p;
   Header mine;
   mine.layout = core::make_header(p, opt, call.hidden.dtype);
@@ -205,13 +258,7 @@ Agreed agree(const Group& group, const Call& call, const Options& opt, const Lin
   mine.epilogue = no_epilogue.empty() ? 1 : 0;
 
   const int ranks = group.size();
-  std::vector<Header> all(ranks);
-  // One CUDA rank exchanges nothing (no synchronisation); several stage the header through the
-  // device, a synchronisation per call, for the chunk plan that every rank must share.
-  if (ranks == 1)
-    all[0] = mine;
-  else
-    gather_on_host(group, &mine, all.data(), sizeof mine);
+  const std::vector<Header> all = exchange(group, mine, stream);
 
   expect_same(all, &Header::sequence_parallel, "LinearOptions::sequence_parallel",
               "every rank must pass the same", show_bool);

@@ -42,7 +42,9 @@ struct Agreed {
 // the ranks disagree (rows, hidden's width and dtype, options, chunks, the layout of the shards;
 // on the CPU backend also the targets without sequence parallelism, and a target out of range);
 // then plans the call (plan.h) from what they agree on. One rank exchanges nothing; several on
-// CUDA synchronise the device.
-Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt);
+// CUDA synchronise the device, except while `stream` is being captured into a CUDA graph: then
+// the ranks' shards come from the group's last exchange (check.cpp: exchange).
+Agreed agree(const Group& group, const Call& call, const Options& opt, const LinearOptions& lopt,
+             cudaStream_t stream);
 
 }  // namespace xent::linear

@@ -165,6 +165,10 @@ using LinearForwardOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tens
 // (d_hidden, d_weight), each [0] where not asked.
 using LinearGrads = std::tuple<at::Tensor, at::Tensor>;
 
+// Whether torch's current stream on `device` is being captured into a CUDA graph (false for the
+// CPU): nothing may then be read back to the host (linear_ops.cpp).
+bool capturing(const at::Device& device);
+
 // Registers the CPU and CUDA kernels of _linear_forward, _linear_backward and
 // _linear_backward_fused (linear_ops.cpp; CUDA tensors reach the core, which refuses them).
 void register_linear_kernels(::torch::Library& m);

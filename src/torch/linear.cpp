@@ -234,7 +234,10 @@ at::Tensor run_linear(const at::Tensor& hidden_in, const at::Tensor& weight_in,
   const bool grad_on = mode != GradMode::none && ::torch::autograd::GradMode::is_enabled();
   const bool need_dh = grad_on && hidden.requires_grad();
   const bool need_dw = grad_on && weight.requires_grad();
-  const bool fused = mode == GradMode::fused;
+  // Captured into a CUDA graph, backward cannot read on the host whether grad_output equals
+  // grad_scale (forward_gradients_final), so it always recomputes: forward computes no
+  // gradients there, only what deferred's does.
+  const bool fused = mode == GradMode::fused && !capturing(hidden.device());
   at::Tensor loss, lse, dh, dw;
   {
     // Straight to the kernel (see function.cpp).

@@ -64,6 +64,18 @@ cudaStream_t stream_of(const at::Device& d) {
   return d.is_cuda() ? at::cuda::getCurrentCUDAStream(d.index()).stream() : nullptr;
 }
 
+}  // namespace
+
+bool capturing(const at::Device& device) {
+  if (!device.is_cuda()) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream_of(device), &capture);
+  XENT_CHECK(e == cudaSuccess, "cudaStreamIsCapturing: ", cudaGetErrorString(e));
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+namespace {
+
 // grad_output as the core takes it: float32, contiguous, one value (mean, sum) or one per row of
 // this rank (none); null (absent or empty) means 1.
 const float* grad_output_ptr(const std::optional<at::Tensor>& go, const OpArgs& a, int64_t rows) {
@@ -85,13 +97,8 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go, const OpArgs& 
 // synchronisation): not final, so the gradients are recomputed with grad_output on the device,
 // exact whatever its value in each replay (every rank of a captured step is capturing alike).
 bool forward_gradients_final(const Group& g, const at::Tensor& go, float grad_scale,
-                             cudaStream_t stream) {
-  if (g.backend() == Backend::cuda) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaError_t e = cudaStreamIsCapturing(stream, &capture);
-    XENT_CHECK(e == cudaSuccess, "cudaStreamIsCapturing: ", cudaGetErrorString(e));
-    if (capture != cudaStreamCaptureStatusNone) return false;
-  }
+                             const at::Device& device, cudaStream_t stream) {
+  if (capturing(device)) return false;
   const uint8_t mine =
       !go.defined() || go.numel() == 0 ? grad_scale == 1.0f : go.eq(grad_scale).all().item<bool>();
   if (g.size() == 1) return mine != 0;
@@ -119,9 +126,9 @@ void backward_into(const at::Tensor& d_hidden, const at::Tensor& d_weight, const
   const Setup s = linear_setup(a, hidden, weight, {&d_hidden, &d_weight, &target, &lse, &go},
                                GradMode::deferred);  // deferred: what a recompute is
   const float* go_ptr = grad_output_ptr(grad_output, a, hidden.size(0));
-  if (fused &&
-      forward_gradients_final(s.group, go_ptr != nullptr ? go : at::Tensor(),
-                              static_cast<float>(a.grad_scale), stream_of(hidden.device())))
+  if (fused && forward_gradients_final(s.group, go_ptr != nullptr ? go : at::Tensor(),
+                                       static_cast<float>(a.grad_scale), hidden.device(),
+                                       stream_of(hidden.device())))
     return;
   LinearOutputs out;
   out.d_hidden = gradient_of(d_hidden);

@@ -1,9 +1,13 @@
 """xent.megatron.patch(fused_lm_head=True) in megatron-core's own GPTModel (its local layer spec,
 no TransformerEngine), tensor parallel over 2 ranks (Gloo on the CPU; NCCL where there are 2
-GPUs), with and without tied embeddings (sequence parallelism: see SP_CASES): the patched model
-never runs its output layer, and its per-token loss and gradients (the lm head's weight shard, the
+GPUs), with and without tied embeddings and sequence parallelism: the patched model never runs
+its output layer, and its per-token loss and gradients (the lm head's weight shard, the
 embedding, the first block) match the same model's unpatched step. The gradients are compared
-with an fp32 tolerance: both are float32 computations of the same sums in another order.
+with an fp32 tolerance: both are float32 computations of the same sums in another order. Under
+sequence parallelism the model normalises with examples/megatron_gpt.py's sequence_parallel_norm
+(megatron-core's local spec refuses torch's norm there).
+
+test_example_trains runs examples/megatron_gpt.py itself under torchrun (CPU, tiny).
 
 On the CPU, megatron-core's GPTModel allocates its attention scratch on the current CUDA device
 and forks the CUDA RNG state around dropout; the workers replace both there (dropout off), which
@@ -11,8 +15,10 @@ leaves the model's arithmetic as it is.
 
     python3 -m pytest -q tests/python/test_megatron_gpt.py
 """
-import contextlib
 import json
+import os
+import pathlib
+import subprocess
 import sys
 import traceback
 
@@ -24,15 +30,10 @@ import ranks
 WORLD = 2
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 2, 64, 4, 256, 16, 3
 DEADLINE_S = 300
-CASES = {"tp2": (False, False), "tp2_tied": (False, True)}
-# GPTModel's local layer spec normalises with torch's LayerNorm, which megatron-core refuses under
-# sequence parallelism ("sequence parallel not supported by torch LayerNorm"; Apex's or
-# TransformerEngine's is needed, and neither is installed here or on the GPU machines).
-SP_CASES = ["tp2_sp", "tp2_sp_tied"]
-SP_REASON = ("megatron-core's local layer spec (torch LayerNorm) refuses sequence parallelism; "
-             "xent.megatron.linear_cross_entropy's own sequence-parallel cases are in "
-             "test_megatron.py")
+CASES = {"tp2": (False, False), "tp2_tied": (False, True), "tp2_sp": (True, False),
+         "tp2_sp_tied": (True, True)}
 OTHER_CASES = ["no_labels", "unpatch"]
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
@@ -42,27 +43,43 @@ two_ranks = ranks.fixture(__file__, "megatron_gpt", WORLD, DEADLINE_S)
 
 
 @needs_megatron
-@pytest.mark.parametrize("case", list(CASES) + SP_CASES + OTHER_CASES)
+@pytest.mark.parametrize("case", list(CASES) + OTHER_CASES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gpt_model(backend, case, two_ranks):
-    if case in SP_CASES:
-        pytest.skip(SP_REASON)
     ranks.expect_case(*two_ranks(backend), case)
 
 
+@needs_megatron
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_example_trains(sequence_parallel, tmp_path):
+    """examples/megatron_gpt.py as a user runs it (torchrun, 2 ranks; on the CPU over Gloo, tiny):
+    every run's loss falls; at the first step xent's loss and gradients (logits path and fused
+    lm head) agree with float64 of the gathered logits as closely as Megatron's own, and the
+    fused lm head never makes the logits."""
+    out = tmp_path / "gpt.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(WORLD), str(EXAMPLES / "megatron_gpt.py"), "--device", "cpu", "--tiny",
+           "--out", str(out)] + (["--sequence-parallel"] if sequence_parallel else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=DEADLINE_S,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["sequence_parallel"] == sequence_parallel
+    for name, run in report["runs"].items():
+        assert len(run["loss"]) == report["config"]["steps"], name
+        assert run["loss"][-1] < run["loss"][0] - 1.0, (name, run["loss"][0], run["loss"][-1])
+    curves = report["curves"]  # xent's follow Megatron's curve closer than another seed's does
+    assert curves["xent"]["mean"] < curves["megatron_seed2"]["mean"], curves
+    assert curves["xent_fused"]["mean"] < curves["megatron_seed2"]["mean"], curves
+    first = report["first_step"]
+    for name, c in first.items():
+        assert c["loss_rel_error"] < 1e-5, (name, c)
+        assert c["d_weight_rel_error"] < 1e-4 and c["d_hidden_rel_error"] < 1e-4, (name, c)
+        assert c["last_block_vs_megatron"] < 1e-3, (name, c)
+    assert first["megatron"]["logits_made"] and not first["xent_fused"]["logits_made"]
+
+
 # ================================================================================ the ranks
-
-
-def cpu_shims():
-    """GPTModel on the CPU: its attention scratch in host memory, no CUDA RNG fork (the model is
-    built with dropout 0)."""
-    import megatron.core.utils as utils
-    from megatron.core.tensor_parallel import random
-
-    def host_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
-        return torch.empty(tensor_shape, dtype=dtype)
-    utils.GlobalMemoryBuffer.get_tensor = host_tensor
-    random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 
 class Rank:
@@ -73,6 +90,8 @@ class Rank:
         self.parallel_state = parallel_state
         self.device = ranks.join_group(backend, rank, init, WORLD)
         if self.device.type == "cpu":
+            sys.path.insert(0, str(EXAMPLES))
+            from megatron_gpt import cpu_shims
             cpu_shims()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
         if self.device.type == "cuda":
@@ -92,8 +111,11 @@ class Rank:
             json.dump(self.results, f)
 
     def model(self, sequence_parallel, tied):
+        """GPTModel of the local spec; under sequence parallelism with the norm of
+        examples/megatron_gpt.py (torch's, which megatron-core's local spec refuses there)."""
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
         from megatron.core.transformer.transformer_config import TransformerConfig
         torch.manual_seed(7)
         cfg = TransformerConfig(
@@ -101,7 +123,13 @@ class Rank:
             tensor_model_parallel_size=WORLD, sequence_parallel=sequence_parallel,
             use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
             pipeline_dtype=torch.float32)
-        m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+        spec = get_gpt_layer_local_spec()
+        if sequence_parallel:
+            sys.path.insert(0, str(EXAMPLES))
+            from megatron_gpt import sequence_parallel_norm as norm
+            spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * LAYERS, layer_norm=norm)
+        m = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=VOCAB, max_sequence_length=SEQ,
                      share_embeddings_and_output_weights=tied)
         return m.to(self.device)
