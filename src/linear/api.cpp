@@ -1,7 +1,7 @@
 // The fused lm head's public entry points: the checks of the call (check.h), the ranks'
 // agreement and the plan (plan.h), then the schedule the plan chose, on the group's backend:
-// fast (fast.cpp over cpu.cpp or cuda.cpp) or lean (lean.cpp over cpu_steps.cpp or
-// cuda_steps.cpp): each schedule's loop is written once, over the backends' steps (steps.h).
+// fast (fast.cpp over cpu_fast.cpp or cuda_fast.cpp) or lean (lean.cpp over cpu_lean.cpp or
+// cuda_lean.cpp): each schedule's loop is written once, over the backends' steps (steps.h).
 #include <utility>
 
 #include "device_scope.h"

@@ -1,5 +1,5 @@
-// The CPU backend of the fused lm head's fast schedule: its steps over host memory (cpu.cpp, run
-// by fast.cpp; docs/linear.md).
+// The CPU backend of the fused lm head's fast schedule: its steps over host memory (cpu_fast.cpp,
+// run by fast.cpp; docs/linear.md).
 #pragma once
 
 #include "linear/check.h"

@@ -1,6 +1,6 @@
 // The CUDA backend of the fused lm head: the fast schedule's steps over device memory
-// (cuda.cpp, run by fast.cpp; the lean schedule's steps are cuda_steps.cpp), what a group keeps
-// between calls, and the backend's kernels of its own.
+// (cuda_fast.cpp, run by fast.cpp; the lean schedule's steps are cuda_lean.cpp), what a group
+// keeps between calls (cuda_state.cpp), and the backend's kernels of its own.
 #pragma once
 
 #include "linear/check.h"

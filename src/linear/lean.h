@@ -24,7 +24,7 @@ struct LeanRowOutputs {
 };
 LeanRowOutputs lean_row_outputs(const Call& call, int64_t M, float* rows, int64_t* argmax);
 
-// The backends' steps, run by run_lean: cpu_steps.cpp, cuda_steps.cpp.
+// The backends' steps, run by run_lean: cpu_lean.cpp, cuda_lean.cpp.
 void run_lean_cpu(const Group& group, const Call& call, const Plan& plan, Pass pass,
                   const float* lse, const float* grad_output);
 void run_lean_cuda(const Group& group, const Call& call, const Plan& plan, Pass pass,

@@ -1,6 +1,6 @@
 // The pieces each schedule is made of, one implementation per backend, so that each schedule's
-// loop is written once. Lean (lean.cpp): cpu_steps.cpp (fp32 BLAS, the CPU kernels) and
-// cuda_steps.cpp (cuBLASLt, the CUDA kernels); fast (fast.cpp): cpu.cpp and cuda.cpp.
+// loop is written once. Lean (lean.cpp): cpu_lean.cpp (fp32 BLAS, the CPU kernels) and
+// cuda_lean.cpp (cuBLASLt, the CUDA kernels); fast (fast.cpp): cpu_fast.cpp and cuda_fast.cpp.
 // Lean's rows are those of the whole problem in rank order (with sequence parallelism every
 // rank's, gathered by begin); its columns this rank's shard's, chunk by chunk.
 #pragma once
@@ -36,8 +36,8 @@ class LeanSteps {
   virtual void end(bool any_chunk) = 0;
 };
 
-// The pieces the fast schedule is made of (fast.cpp), one implementation per backend: cpu.cpp
-// and cuda.cpp. A chunk is rows [r0, r0 + c) of this rank's (with sequence parallelism every
+// The pieces the fast schedule is made of (fast.cpp), one implementation per backend: cpu_fast.cpp
+// and cuda_fast.cpp. A chunk is rows [r0, r0 + c) of this rank's (with sequence parallelism every
 // rank's rows [r0, r0 + c), m = c x ranks of them in chunk order: rank b's come b-th); its
 // logits are made in sub-chunks of rows [s0, s0 + k) of those m.
 class FastSteps {

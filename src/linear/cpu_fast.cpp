@@ -5,8 +5,6 @@
 // cpu::finalize_rows), then the gradient over the logits (cpu::gradient, in place) and the two
 // GEMMs that consume it: d_hidden's partial (summed over the ranks) and d_weight's (accumulated
 // in fp32 over the chunks). One sub-chunk: the whole chunk.
-#include "linear/cpu.h"
-
 #include <algorithm>
 #include <memory>
 #include <vector>
@@ -15,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/finalize.h"
 #include "linear/blas.h"
+#include "linear/cpu.h"
 #include "linear/fast.h"
 #include "linear/reduce.h"
 #include "linear/scratch.h"

@@ -12,8 +12,6 @@
 // Rows of a chunk are in "chunk order": with sequence parallelism rank b's rows of the chunk
 // come b-th; the per-row scratch over all rows keeps that order (chunk after chunk), so that a
 // chunk's targets, losses and argmax are one contiguous slice of it.
-#include "linear/cuda.h"
-
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -21,33 +19,12 @@
 #include "backend.h"
 #include "core/finalize.h"
 #include "error.h"
+#include "linear/cuda.h"
 #include "linear/fast.h"
 #include "linear/gemm.h"
 #include "linear/scratch.h"
 
 namespace xent::linear {
-
-CudaState::CudaState() {
-  check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
-  for (int i = 0; i < 2; ++i) {
-    check_cuda(cudaEventCreateWithFlags(&ready[i], cudaEventDisableTiming), "cudaEventCreate");
-    check_cuda(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming), "cudaEventCreate");
-  }
-}
-
-CudaState::~CudaState() {
-  for (int i = 0; i < 2; ++i) {
-    if (ready[i]) cudaEventDestroy(ready[i]);
-    if (done[i]) cudaEventDestroy(done[i]);
-  }
-  if (side) cudaStreamDestroy(side);
-}
-
-CudaState& cuda_state(const Group& group) {
-  Workspace& ws = group.workspace();
-  if (!ws.linear) ws.linear = std::make_shared<CudaState>();
-  return *static_cast<CudaState*>(ws.linear.get());
-}
 
 namespace {
 
