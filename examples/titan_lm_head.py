@@ -1,4 +1,7 @@
 """TorchTitan's way: a tensor-parallel lm head (ColwiseParallel) whose loss is xent's fused lm head.
+The minimal form, without the torchtitan package; examples/titan_train.py is the real integration
+(torchtitan 0.3.0's own Trainer and Llama 3 debug model, xent in its loss slot and its lm-head
+hook; docs/transformers.md).
 
     torchrun --nproc-per-node 2 examples/titan_lm_head.py                  # CPU, Gloo
     torchrun --nproc-per-node 2 examples/titan_lm_head.py --device cuda    # a GPU per rank, NCCL

@@ -6,8 +6,8 @@
 #
 # With python3 present: if `import torch` fails it pip-installs torch==2.11.0 from PyPI (with its
 # CUDA and NCCL wheels; a few GB), and pytest and scikit-build-core if they are missing, and
-# megatron-core==0.16.1, and transformers==5.17.0 with accelerate==1.15.0, if missing or of
-# another version (for tests/python and tests/package), then prints
+# megatron-core==0.16.1, transformers==5.17.0 with accelerate==1.15.0, and torchtitan==0.3.0, if
+# missing or of another version (for tests/python and tests/package), then prints
 #   -DXENT_WITH_TORCH=ON -DCMAKE_PREFIX_PATH=<torch.utils.cmake_prefix_path>
 #   -DPython3_EXECUTABLE=<that python3, for xent._C>
 #   -DXENT_NCCL_ROOT=<site-packages/nvidia/nccl> -DNCCL_LIBRARY=<.../lib/libnccl.so.2>
@@ -76,6 +76,12 @@ print(f"transformers=={transformers.__version__} accelerate=={accelerate.__versi
         xent_torch_say "pip could not install $hf_want: the Transformers tests run with $hf_have"
       fi
     fi
+  fi
+  # tests/python/test_titan.py trains TorchTitan's own Trainer (examples/titan_train.py).
+  if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("torchtitan"))' 2>/dev/null)" != "0.3.0" ]; then
+    xent_torch_say "torchtitan 0.3.0 is not installed: installing it from PyPI (python3 -m pip install torchtitan==0.3.0)"
+    python3 -m pip install torchtitan==0.3.0 >&2 ||
+      xent_torch_say "pip could not install torchtitan==0.3.0: tests/python/test_titan.py skips"
   fi
   if ! python3 -c 'import scikit_build_core' >/dev/null 2>&1; then
     xent_torch_say "scikit-build-core is not importable: installing it from PyPI (python3 -m pip install scikit-build-core)"
