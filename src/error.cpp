@@ -12,6 +12,12 @@ void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess) fail(std::string(what) + " failed: " + cudaGetErrorString(status));
 }
 
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;
+}
+
 void check_nccl(ncclResult_t status, const char* what) {
   if (status != ncclSuccess) fail(std::string(what) + " failed: " + ncclGetErrorString(status));
 }

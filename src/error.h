@@ -18,6 +18,8 @@ namespace xent {
 // Throw xent::Error naming the call `what` and the CUDA / NCCL error string when status is one.
 void check_cuda(cudaError_t status, const char* what);
 void check_nccl(ncclResult_t status, const char* what);
+// Whether `stream` is being captured into a CUDA graph (nothing may then synchronise).
+bool capturing(cudaStream_t stream);
 // On a group of the CUDA backend with Options::check_pointers, throws where `ptr` (not null) is
 // not device (or managed) memory, naming the argument `name`: a kernel would fault on it.
 void check_placement(const Group& group, const Options& opt, const void* ptr, const char* name);

@@ -76,9 +76,7 @@ void Workspace::prepare(int64_t rows, int fields, int ranks, cudaStream_t stream
       std::memset(static_cast<char*>(base) + layout(rows, fields, ranks).error, 0xff,
                   2 * sizeof(int64_t));
     } else {
-      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-      if (capture != cudaStreamCaptureStatusNone)
+      if (capturing(stream))
         fail("the group's workspace must grow from " + std::to_string(capacity) + " to " +
              std::to_string(need) + " bytes (" + std::to_string(rows) +
              " rows) while the stream is being captured into a CUDA graph, where memory "

@@ -159,12 +159,6 @@ std::string show_dtype(int64_t v) {
   return to_string(static_cast<DType>(v));
 }
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  check_cuda(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-  return capture != cudaStreamCaptureStatusNone;
-}
-
 // Every rank's header. One rank exchanges nothing. Several on CUDA stage it through the device, a
 // synchronisation that a stream being captured into a CUDA graph refuses; so each exchange is
 // kept in the group's workspace, and a captured call takes every rank's header to be its own

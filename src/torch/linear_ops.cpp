@@ -92,13 +92,15 @@ const float* grad_output_ptr(const std::optional<at::Tensor>& go, const OpArgs& 
 // Whether forward's gradients (computed for grad_output = grad_scale) are final: grad_output
 // (undefined: 1) equals grad_scale in every element, on every rank. The recompute is a
 // collective, so the ranks agree first (an all-gather of one byte each). CUDA tensors are
-// compared on the device and the verdict read back: one synchronisation, in backward. While
-// `stream` is captured into a CUDA graph nothing can be read back (capture refuses the
-// synchronisation): not final, so the gradients are recomputed with grad_output on the device,
-// exact whatever its value in each replay (every rank of a captured step is capturing alike).
+// compared on the device and the verdict read back (on the current stream of `device`): one
+// synchronisation, in backward. While that stream is captured into a CUDA graph nothing can be
+// read back (capture refuses the synchronisation): not final, so the gradients are recomputed
+// with grad_output on the device, exact whatever its value in each replay (every rank of a
+// captured step is capturing alike).
 bool forward_gradients_final(const Group& g, const at::Tensor& go, float grad_scale,
-                             const at::Device& device, cudaStream_t stream) {
+                             const at::Device& device) {
   if (capturing(device)) return false;
+  const cudaStream_t stream = stream_of(device);
   const uint8_t mine =
       !go.defined() || go.numel() == 0 ? grad_scale == 1.0f : go.eq(grad_scale).all().item<bool>();
   if (g.size() == 1) return mine != 0;
@@ -127,8 +129,7 @@ void backward_into(const at::Tensor& d_hidden, const at::Tensor& d_weight, const
                                GradMode::deferred);  // deferred: what a recompute is
   const float* go_ptr = grad_output_ptr(grad_output, a, hidden.size(0));
   if (fused && forward_gradients_final(s.group, go_ptr != nullptr ? go : at::Tensor(),
-                                       static_cast<float>(a.grad_scale), hidden.device(),
-                                       stream_of(hidden.device())))
+                                       static_cast<float>(a.grad_scale), hidden.device()))
     return;
   LinearOutputs out;
   out.d_hidden = gradient_of(d_hidden);
