@@ -179,12 +179,17 @@ def way_of(name):
         xent.megatron.unpatch()
 
 
+def positions(args, device):
+    """The position ids and the causal attention mask, the same for every batch."""
+    pos = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
+    causal = torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool, device=device).triu(1)
+    return pos, causal
+
+
 def inputs(tokens, mask, step, device):
+    """Step `step`'s tokens, labels and loss mask."""
     seqs = tokens[step].to(device)
-    b, s = seqs.shape[0], seqs.shape[1] - 1
-    causal = torch.ones(1, 1, s, s, dtype=torch.bool, device=device).triu(1)
-    pos = torch.arange(s, device=device).unsqueeze(0).expand(b, -1)
-    return seqs[:, :-1], pos, causal, seqs[:, 1:], mask[step].to(device)
+    return seqs[:, :-1], seqs[:, 1:], mask[step].to(device)
 
 
 def masked_mean(per_token, mask):
@@ -205,6 +210,7 @@ def train(args, name, tokens, mask, tp, device):
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated() / 2 ** 20
     losses, times = [], []
+    pos, causal = positions(args, device)
     with way_of(name):
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -213,7 +219,7 @@ def train(args, name, tokens, mask, tp, device):
             if cuda:
                 loop.zero_grad_buffer()
             opt.zero_grad()
-            tok, pos, causal, labels, m = inputs(tokens, mask, step, device)
+            tok, labels, m = inputs(tokens, mask, step, device)
             loss = masked_mean(loop(tok, pos, causal, labels=labels), m)
             loss.backward()
             finalize()
@@ -253,7 +259,8 @@ def first_step(args, tokens, mask, tp, device):
     rank = dist.get_rank(group)
     model, cfg = gpt_model(args, tp, device, args.seed)
     gpt = model.module if hasattr(model, "module") else model
-    tok, pos, causal, labels, m = inputs(tokens, mask, 0, device)
+    tok, labels, m = inputs(tokens, mask, 0, device)
+    pos, causal = positions(args, device)
     seen = {}
 
     def keep_hidden(module, inp, out):

@@ -34,6 +34,7 @@ CASES = {"tp2": (False, False), "tp2_tied": (False, True), "tp2_sp": (True, Fals
          "tp2_sp_tied": (True, True)}
 OTHER_CASES = ["no_labels", "unpatch"]
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the ranks import the example's model pieces
 BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 
@@ -90,7 +91,6 @@ class Rank:
         self.parallel_state = parallel_state
         self.device = ranks.join_group(backend, rank, init, WORLD)
         if self.device.type == "cpu":
-            sys.path.insert(0, str(EXAMPLES))
             from megatron_gpt import cpu_shims
             cpu_shims()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
@@ -125,7 +125,6 @@ class Rank:
             pipeline_dtype=torch.float32)
         spec = get_gpt_layer_local_spec()
         if sequence_parallel:
-            sys.path.insert(0, str(EXAMPLES))
             from megatron_gpt import sequence_parallel_norm as norm
             spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = norm
             spec = TransformerBlockSubmodules(layer_specs=[spec] * LAYERS, layer_norm=norm)
