@@ -1,7 +1,10 @@
-"""The loss curves of examples/megatron_gpt.py's runs, one panel per JSON it wrote:
+"""The loss curves of examples/megatron_gpt.py's and examples/titan_train.py's runs, one panel
+per JSON they wrote:
 
     python3 bench/plot_training.py docs/results/megatron-gpt-tp2.json \\
-        docs/results/megatron-gpt-tp2-sp.json --out docs/megatron_gpt.png
+        docs/results/megatron-gpt-tp2-sp.json --out docs/megatron_gpt_tp2.png
+    python3 bench/plot_training.py docs/results/titan-1b-tp2.json \\
+        docs/results/titan-1b-tp2-nosp.json --out docs/titan_tp2.png
 
 Needs matplotlib (the GPU machines have it; `pip install matplotlib` elsewhere).
 """
@@ -10,8 +13,31 @@ import json
 
 STYLE = {"megatron": ("Megatron's loss", "C0", "-"),
          "megatron_seed2": ("Megatron's loss, other initial weights", "C0", ":"),
-         "xent": ("xent.megatron.patch() (logits path)", "C1", "--"),
+         "titan": ("TorchTitan's loss", "C0", "-"),
+         "titan_seed2": ("TorchTitan's loss, other initial weights", "C0", ":"),
+         "xent": ("xent's op (logits path)", "C1", "--"),
          "xent_fused": ("xent fused lm head", "C3", "-")}
+
+
+def summary(run):
+    """(median step ms, peak GiB) of a run: megatron_gpt.py's JSON has them; titan_train.py's
+    has every step's, of which the first quarter is warm-up."""
+    if "median_ms" in run:
+        return run["median_ms"], run["peak_mib"] / 1024
+    steps = sorted(run["step_time_s"][len(run["step_time_s"]) // 4:])
+    return steps[len(steps) // 2] * 1e3, max(run["peak_memory_bytes"]) / 2**30
+
+
+def title(c):
+    sp = ", sequence parallel" if c["sequence_parallel"] else ""
+    if "megatron_core" in c:
+        return (f"GPTModel {c['layers']} x {c['hidden']}, V {c['vocab']}, TP {c['tp']}{sp}\n"
+                f"{c['device']}, megatron-core {c['megatron_core']}")
+    model = "Llama 3 debug model" if c.get("flavor", "debugmodel") == "debugmodel" else \
+        f"Llama 3.2 {c['flavor']}" if c["flavor"] == "1B" else f"Llama 3 {c['flavor']}"
+    vocab = f", V {c['vocab']}" if c.get("vocab") else ""
+    return (f"TorchTitan {model}{vocab}, {c['batch']} x {c['seq']} tokens, TP {c['world']}{sp}\n"
+            f"{c['device']}, torch {c['torch']}")
 
 
 def main():
@@ -29,13 +55,12 @@ def main():
         c = report["config"]
         for name, run in report["runs"].items():
             label, color, line = STYLE[name]
+            ms, gib = summary(run)
             ax.plot(range(1, len(run["loss"]) + 1), run["loss"], line, color=color, lw=1.2,
-                    label=f"{label}: {run['median_ms']:.0f} ms/step, {run['peak_mib'] / 1024:.1f}"
-                          " GiB peak")
-        ax.axhline(c["loss_floor"], color="gray", lw=0.8, ls="--", label="ln 4 (the floor)")
-        sp = ", sequence parallel" if c["sequence_parallel"] else ""
-        ax.set_title(f"GPTModel {c['layers']} x {c['hidden']}, V {c['vocab']}, TP {c['tp']}{sp}\n"
-                     f"{c['device']}, megatron-core {c['megatron_core']}", fontsize=9)
+                    label=f"{label}: {ms:.0f} ms/step, {gib:.1f} GiB peak")
+        if "loss_floor" in c:
+            ax.axhline(c["loss_floor"], color="gray", lw=0.8, ls="--", label="ln 4 (the floor)")
+        ax.set_title(title(c), fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_yscale("log")

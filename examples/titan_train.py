@@ -1,8 +1,10 @@
-"""TorchTitan 0.3.0's own Trainer and Llama 3 debug model, tensor parallel over every rank, three
-ways from the same seed and data:
+"""TorchTitan 0.3.0's own Trainer and Llama 3 model (the debug model, or --flavor 1B), tensor
+parallel over every rank, four runs on the same data:
 
   titan       TorchTitan's own loss, CrossEntropyLoss (as its llama3_debugmodel_ce_loss config):
               the lm head's logits DTensor into its _LossParallelCrossEntropy;
+  titan_seed2 the same from other initial weights (seed + 1), on the same data: the spread of
+              TorchTitan's own curve, which xent's should stay within;
   xent        XentLoss in the Trainer.Config.loss slot: that DTensor into
               xent.vocab_parallel_cross_entropy;
   xent_fused  XentFusedLMHead, a ChunkedLossWrapper, in that slot: for one the Trainer itself sets
@@ -39,9 +41,11 @@ ChunkedLossWrapper hook is the way in. Needs libxent_torch.so (XENT_TORCH_LIB, o
 """
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -54,7 +58,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import xent  # noqa: E402
 
-RUNS = ["titan", "xent", "xent_fused"]
+RUNS = ["titan", "titan_seed2", "xent", "xent_fused"]
 PROFILE = {"dir": "", "run": "", "step": 5}  # --profile: the sixth step of each run, profiled
 
 
@@ -144,10 +148,29 @@ class XentFusedLMHead(ChunkedLossWrapper):
 
     def __init__(self, config, *, compile_config=None):
         self.lm_head = None  # Trainer.__init__ calls set_lm_head(model.lm_head)
+        self.plan = None  # the first call's: what ran, in the JSON
 
     def __call__(self, pred, labels, global_valid_tokens=None, **kwargs):
-        loss = xent.linear_cross_entropy(pred, self.lm_head.weight, labels, reduction="sum")
+        weight = self.lm_head.weight
+        if self.plan is None:
+            self.plan = self._plan(pred, weight, labels)
+        # The Trainer divides the sum by global_valid_tokens, a device tensor (no host sync): the
+        # gradient's grad_output is not known in forward. "deferred" makes the gradient once, in
+        # backward, for it; the default "fused" would make it in forward for grad_output 1, then
+        # again in backward.
+        loss = xent.linear_cross_entropy(pred, weight, labels, reduction="sum",
+                                         grad_mode="deferred")
         return _as_titan_loss(loss, global_valid_tokens)
+
+    @staticmethod
+    def _plan(pred, weight, labels):
+        local = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+        h, group = local(pred), weight.device_mesh.get_group()
+        plan = xent.linear_cross_entropy_plan(h.reshape(-1, h.shape[-1]), weight.to_local(),
+                                              local(labels).reshape(-1), group, reduction="sum",
+                                              grad_mode="deferred")
+        return dict(plan, hidden=str(pred.dtype), weight=str(weight.dtype),
+                    hidden_shape=list(h.shape), weight_shape=list(weight.to_local().shape))
 
 
 class CausalSdpa(ModelConfigConverter):
@@ -222,17 +245,21 @@ class RecordingMetrics(MetricsProcessor):
 
     def __init__(self, config, **kwargs):
         super().__init__(config, **kwargs)
-        self.kept = {"loss": [], "grad_norm": []}
+        self.kept = {"loss": [], "grad_norm": [], "peak_memory_bytes": []}
 
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         self.kept["loss"].append(global_avg_loss)
         self.kept["grad_norm"].append(grad_norm)  # before clipping
+        # The step's peak, read before super().log() resets it (it does, at its end: a peak read
+        # after train_step() sees only what was allocated since)
+        cuda = torch.cuda.is_available()
+        self.kept["peak_memory_bytes"].append(torch.cuda.max_memory_allocated() if cuda else None)
         super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
 
 class RecordingTrainer(Trainer):
-    """TorchTitan's Trainer, timing each step and taking its peak memory (Config.build()
-    constructs the class that owns the Config, so a subclass needs just its own Config)."""
+    """TorchTitan's Trainer, timing each step (Config.build() constructs the class that owns the
+    Config, so a subclass needs just its own Config). The step's peak memory is RecordingMetrics'."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -240,7 +267,7 @@ class RecordingTrainer(Trainer):
 
     def __init__(self, config):
         super().__init__(config)
-        self.record = {"step_time_s": [], "peak_memory_bytes": [], "lm_head_calls": 0,
+        self.record = {"step_time_s": [], "lm_head_calls": 0,
                        "loss_fn": type(self.loss_fn).__name__}
         self.model_parts[0].lm_head.register_forward_hook(self._count_lm_head)
 
@@ -258,31 +285,31 @@ class RecordingTrainer(Trainer):
                 super().train_step(data_iterator)
                 if cuda:
                     torch.cuda.synchronize()
-            if dist.get_rank() == 0:
-                table = prof.key_averages().table(sort_by="self_device_time_total" if cuda
-                                                  else "self_cpu_time_total", row_limit=25)
+            if dist.get_rank() == 0:  # the device's time, then the host's (both on the CPU)
+                sorts = ["self_device_time_total"] * cuda + ["cpu_time_total"]
                 with open(os.path.join(PROFILE["dir"], f"{PROFILE['run']}.txt"), "w") as f:
-                    f.write(table)
+                    for key in sorts:
+                        f.write(prof.key_averages().table(sort_by=key, row_limit=25) + "\n")
         else:
             super().train_step(data_iterator)
         if cuda:
             torch.cuda.synchronize()
         self.record["step_time_s"].append(time.perf_counter() - start)
-        self.record["peak_memory_bytes"].append(torch.cuda.max_memory_allocated() if cuda else None)
 
 
 def trainer_config(run, a, world):
     """config_registry.llama3_debugmodel at TP = world with this run's loss; the rest that differs
     is said above. No CUDA graphs: the three runs alike, each step timed as it runs eagerly."""
-    spec = model_registry("debugmodel", converters=[CausalSdpa.Config()])
+    spec = model_registry(a.flavor, converters=[CausalSdpa.Config()])
     if a.layers:
         spec.model.layers = spec.model.layers[:a.layers]
     if a.vocab:  # a larger vocabulary shows what the fused head saves
         spec.model.vocab_size = spec.model.tok_embeddings.num_embeddings = a.vocab
         spec.model.lm_head.out_features = a.vocab
     vocab = decoder_vocab_size(spec)
-    loss = {"titan": CrossEntropyLoss.Config(global_vocab_size=vocab),
-            "xent": XentLoss.Config(), "xent_fused": XentFusedLMHead.Config()}[run]
+    titan = CrossEntropyLoss.Config(global_vocab_size=vocab)
+    loss = {"titan": titan, "titan_seed2": titan, "xent": XentLoss.Config(),
+            "xent_fused": XentFusedLMHead.Config()}[run]
     return RecordingTrainer.Config(
         model_spec=spec, loss=loss, tokenizer=NoTokenizer.Config(vocab_size=vocab),
         dataloader=FixedBatches.Config(vocab_size=vocab, batches=a.batches, seed=a.seed),
@@ -296,7 +323,8 @@ def trainer_config(run, a, world):
             tensor_parallel_degree=world, data_parallel_shard_degree=1,
             enable_sequence_parallel=a.sequence_parallel, spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(enable=False), validator=Validator.Config(enable=False),
-        comm=CommConfig(trace_buf_size=0), debug=DebugConfig(seed=a.seed),
+        comm=CommConfig(trace_buf_size=0),
+        debug=DebugConfig(seed=a.seed + (run == "titan_seed2")),  # other weights, the same data
         dump_folder=os.path.join(tempfile.gettempdir(), "xent_titan_train"))
 
 
@@ -305,8 +333,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true",
                    help="2 layers, 2 batches of 2 x 64 tokens, 8 steps, lr 3e-3 (CPU tests)")
-    p.add_argument("--layers", type=int, default=0, help="the first N layers (0: all 6)")
-    p.add_argument("--vocab", type=int, default=0, help="0: the debug model's 2048")
+    p.add_argument("--flavor", default="debugmodel", choices=["debugmodel", "1B", "3B", "8B"],
+                   help="TorchTitan's Llama 3 model (1B: Llama 3.2 1B, dim 2048, 16 layers, "
+                        "V 128256, tied embeddings)")
+    p.add_argument("--layers", type=int, default=0, help="the first N layers (0: all)")
+    p.add_argument("--vocab", type=int, default=0, help="0: the flavor's (the debug model's 2048)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8, help="sequences a step")
     p.add_argument("--batches", type=int, default=4, help="fixed batches, cycled")
@@ -327,6 +358,7 @@ def parse_args(argv=None):
     if any(r not in RUNS for r in a.runs):
         p.error(f"--runs {','.join(a.runs)}: not a subset of {','.join(RUNS)}")
     if a.tiny:
+        a.flavor = "debugmodel"
         a.layers, a.seq, a.batch, a.batches, a.steps, a.lr, a.lr_warmup = 2, 64, 2, 2, 8, 3e-3, 1
     return a
 
@@ -349,20 +381,30 @@ def main():
     runs = {}
     for run in a.runs:
         PROFILE.update(dir=a.profile, run=run)
+        # The trainer before this one is garbage in reference cycles (modules and their hooks):
+        # collected here, or its model and optimizer states would count in this run's peak.
+        gc.collect()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated() if cuda else None
         trainer = trainer_config(run, a, world).build()  # the first starts torch.distributed
         try:
             trainer.train()
         finally:
             trainer.close()
-        runs[run] = dict(trainer.metrics_processor.kept, **trainer.record)
+        runs[run] = dict(trainer.metrics_processor.kept, **trainer.record,
+                         plan=getattr(trainer.loss_fn, "plan", None), memory_before_bytes=before)
         del trainer
     first = compare(runs) if "titan" in runs else {}
     if dist.get_rank() == 0:
         for r, v in runs.items():
-            mem = v["peak_memory_bytes"][-1]
-            print(f"{r:>10}: loss {v['loss'][0]:.6f} -> {v['loss'][-1]:.6f}, last step "
-                  f"{v['step_time_s'][-1] * 1e3:.1f} ms, peak memory "
-                  f"{'-' if mem is None else f'{mem / 2**30:.3f} GiB'}, "
+            mem, before = max(v["peak_memory_bytes"], key=lambda m: m or 0), v["memory_before_bytes"]
+            steps = v["step_time_s"][len(v["step_time_s"]) // 4:]  # after a quarter as warm-up
+            print(f"{r:>10}: loss {v['loss'][0]:.6f} -> {v['loss'][-1]:.6f}, median step "
+                  f"{statistics.median(steps) * 1e3:.1f} ms, peak memory "
+                  f"{'-' if mem is None else f'{mem / 2**30:.3f} GiB'} (before the run: "
+                  f"{'-' if before is None else f'{before / 2**30:.3f} GiB'}), "
                   f"lm head calls {v['lm_head_calls']}", flush=True)
         if a.out:
             config = dict(vars(a), world=world, torch=torch.__version__,

@@ -5,6 +5,7 @@
 // its effect on speed and memory in xent_dist_bench --hidden and bench/linear_side_by_side.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "linear/plan.h"
@@ -252,3 +253,36 @@ TEST(LinearPlan, EpilogueAskedFor) {
 }
 
 }  // namespace
+
+// A small hidden width (TorchTitan's Llama 3 debug model: H 256, V 128256 over 2 ranks, 8 x 2048
+// tokens): d_weight's fp32 accumulator is small, so the default budget held fast's chunks of
+// 1251 rows, but only with sub-chunks of one row, each a GEMM, a statistics pass and an
+// all-gather of its own (17514 of them a step: 500 ms on two H200). The plan keeps sub-chunks of
+// kSubRows rows, or of the whole chunk, and takes fewer rows a chunk instead.
+TEST(LinearPlan, FastKeepsWholeSubChunks) {
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "replicated rows");
+    Shape s = step(2, 64128, sp ? 8192 : 16384, 256);
+    s.sequence_parallel = sp;
+    s.epilogue = true;
+    const auto whole = [&](const Plan& p) {
+      const int64_t m = p.info.chunk_rows * (sp ? 2 : 1);
+      EXPECT_GE(p.sub_rows, std::min(xent::linear::kSubRows, m))
+          << "chunks of " << p.info.chunk_rows << " rows";
+      EXPECT_LE(p.total, p.info.budget);
+    };
+    const Plan p = make_plan(s, LinearOptions{});
+    if (p.info.schedule == LinearSchedule::fast) whole(p);
+    LinearOptions fast;
+    fast.schedule = LinearSchedule::fast;
+    const Plan q = make_plan(s, fast);
+    EXPECT_EQ(q.info.schedule, LinearSchedule::fast);
+    whole(q);
+    // A budget that holds no sub-chunk of kSubRows rows: chunks of one sub-chunk each.
+    fast.max_scratch_bytes = 110 * kMiB;
+    const Plan tight = make_plan(s, fast);
+    EXPECT_EQ(tight.info.schedule, LinearSchedule::fast);
+    EXPECT_LT(tight.sub_rows, xent::linear::kSubRows);
+    whole(tight);
+  }
+}
