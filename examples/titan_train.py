@@ -10,16 +10,18 @@ parallel over every rank, four runs on the same data:
   xent_fused  XentFusedLMHead, a ChunkedLossWrapper, in that slot: for one the Trainer itself sets
               the model's _skip_lm_head (forward returns the final norm's output) and calls
               set_lm_head(model.lm_head); the loss calls xent.linear_cross_entropy(hidden,
-              lm_head.weight, labels) on the weight's DTensor shard. No logits are made.
+              lm_head.weight, labels, grad_mode="deferred") on the weight's DTensor shard. No
+              logits are made.
 
-    torchrun --nproc-per-node 2 examples/titan_train.py --out tp2.json          # GPUs: NCCL
+    torchrun --nproc-per-node 2 examples/titan_train.py --vocab 128256 --out tp2.json  # NCCL
+    torchrun --nproc-per-node 2 examples/titan_train.py --flavor 1B --batch 4 --lr 3e-4 --out 1b.json
     torchrun --nproc-per-node 2 examples/titan_train.py --tiny --out tp2.json   # CPU: Gloo
 
 The JSON (--out, rank 0) has each run's losses and gradient norms as TorchTitan logs them
-(RecordingMetrics, the metrics slot), its step times and peak memory (torch.cuda's; none on the
-CPU; RecordingTrainer, a Trainer subclass); the times and peaks it took on two H200 are not
-understood yet (docs/transformers.md). --profile DIR writes torch.profiler's table of each run's
-sixth step. All through TorchTitan's extension points: the
+(RecordingMetrics, the metrics slot, which also reads each step's peak memory before TorchTitan's
+log() resets it; none on the CPU), its step times (RecordingTrainer, a Trainer subclass) and the
+fused head's plan; what it measured on two H200 is in docs/transformers.md. --profile DIR writes
+torch.profiler's tables of each run's sixth step. All through TorchTitan's extension points: the
 Trainer.Config slots, model_registry(converters=[...]), subclasses. What is not, and why:
 
 - torch 2.11, which xent is built against, is older than TorchTitan 0.3.0 expects (2.12):
@@ -299,7 +301,7 @@ class RecordingTrainer(Trainer):
 
 def trainer_config(run, a, world):
     """config_registry.llama3_debugmodel at TP = world with this run's loss; the rest that differs
-    is said above. No CUDA graphs: the three runs alike, each step timed as it runs eagerly."""
+    is said above. No CUDA graphs: the runs alike, each step timed as it runs eagerly."""
     spec = model_registry(a.flavor, converters=[CausalSdpa.Config()])
     if a.layers:
         spec.model.layers = spec.model.layers[:a.layers]
