@@ -14,7 +14,7 @@ parallel over every rank, four runs on the same data:
               logits are made.
 
     torchrun --nproc-per-node 2 examples/titan_train.py --vocab 128256 --out tp2.json  # NCCL
-    torchrun --nproc-per-node 2 examples/titan_train.py --flavor 1B --batch 4 --lr 3e-4 --out 1b.json
+    torchrun --nproc-per-node 2 examples/titan_train.py --flavor 1B --batch 4 --lr 3e-4 --out b.json
     torchrun --nproc-per-node 2 examples/titan_train.py --tiny --out tp2.json   # CPU: Gloo
 
 The JSON (--out, rank 0) has each run's losses and gradient norms as TorchTitan logs them
@@ -261,7 +261,7 @@ class RecordingMetrics(MetricsProcessor):
 
 class RecordingTrainer(Trainer):
     """TorchTitan's Trainer, timing each step (Config.build() constructs the class that owns the
-    Config, so a subclass needs just its own Config). The step's peak memory is RecordingMetrics'."""
+    Config, so a subclass needs just its own Config). Each step's peak is RecordingMetrics'."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -401,7 +401,8 @@ def main():
     first = compare(runs) if "titan" in runs else {}
     if dist.get_rank() == 0:
         for r, v in runs.items():
-            mem, before = max(v["peak_memory_bytes"], key=lambda m: m or 0), v["memory_before_bytes"]
+            mem = max(v["peak_memory_bytes"], key=lambda m: m or 0)
+            before = v["memory_before_bytes"]
             steps = v["step_time_s"][len(v["step_time_s"]) // 4:]  # after a quarter as warm-up
             print(f"{r:>10}: loss {v['loss'][0]:.6f} -> {v['loss'][-1]:.6f}, median step "
                   f"{statistics.median(steps) * 1e3:.1f} ms, peak memory "
