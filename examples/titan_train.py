@@ -98,6 +98,7 @@ if not torch.cuda.is_available():
     _cpu_device()
 
 # After the two above: these imports need the first, and copy what the second sets.
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
@@ -213,7 +214,8 @@ class NoTokenizer(BaseTokenizer):
 
 class FixedBatches(BaseDataLoader):
     """A few fixed random batches, cycled: the same in every run and on every TP rank (which must
-    see the same tokens), learnt by heart, so the loss falls. No positions: causal SDPA."""
+    see the same tokens), learnt by heart, so the loss falls; each data-parallel rank (FSDP's,
+    --dp-shard) its own. No positions: causal SDPA."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
@@ -221,8 +223,8 @@ class FixedBatches(BaseDataLoader):
         batches: int = 4
         seed: int = 0
 
-    def __init__(self, config, *, seq_len, local_batch_size, **_):
-        g = torch.Generator().manual_seed(config.seed)
+    def __init__(self, config, *, seq_len, local_batch_size, dp_rank=0, **_):
+        g = torch.Generator().manual_seed(config.seed + 1000 * dp_rank)
         self.pool = torch.randint(0, config.vocab_size,
                                   (config.batches, local_batch_size, seq_len + 1), generator=g)
 
@@ -269,6 +271,10 @@ class RecordingTrainer(Trainer):
 
     def __init__(self, config):
         super().__init__(config)
+        if self.device.type == "cpu":  # Gloo has no PREMUL_SUM: FSDP's sums, then its division
+            for module in self.model_parts[0].modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
         self.record = {"step_time_s": [], "lm_head_calls": 0,
                        "loss_fn": type(self.loss_fn).__name__}
         self.model_parts[0].lm_head.register_forward_hook(self._count_lm_head)
@@ -322,7 +328,7 @@ def trainer_config(run, a, world):
                                 disable_cuda_graphs=True, mixed_precision_param=a.precision),
         metrics=RecordingMetrics.Config(log_freq=1),
         parallelism=ParallelismConfig(
-            tensor_parallel_degree=world, data_parallel_shard_degree=1,
+            tensor_parallel_degree=world // a.dp_shard, data_parallel_shard_degree=a.dp_shard,
             enable_sequence_parallel=a.sequence_parallel, spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(enable=False), validator=Validator.Config(enable=False),
         comm=CommConfig(trace_buf_size=0),
@@ -351,6 +357,8 @@ def parse_args(argv=None):
                    default="bfloat16" if torch.cuda.is_available() else "float32",
                    help="FSDP's parameter dtype in compute (default: bfloat16 on CUDA)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    p.add_argument("--dp-shard", type=int, default=1,
+                   help="FSDP's sharding degree; TP is the rest of the ranks (2D where > 1)")
     p.add_argument("--out", default="", help="JSON of the results (rank 0 writes it)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"a subset of {','.join(RUNS)}")
     p.add_argument("--profile", default="",

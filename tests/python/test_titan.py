@@ -1,6 +1,6 @@
 """examples/titan_train.py as a user runs it: TorchTitan's own Trainer and Llama 3 debug model
-(2 layers, 2 x 64 tokens a step) at TP 2 under torchrun, on the CPU over Gloo, four runs on the
-same data: TorchTitan's own loss, the same from other weights, xent's op in its loss slot, and
+(2 layers, 2 x 64 tokens a step) at TP 2 under torchrun, with and without sequence parallelism,
+and 2D (FSDP over 2 ranks x TP 2), on the CPU over Gloo, four runs on the same data: TorchTitan's own loss, the same from other weights, xent's op in its loss slot, and
 xent's fused lm head as a ChunkedLossWrapper. Every run's loss falls; at the first step xent's
 loss and gradient norm (as TorchTitan logs them) match TorchTitan's own within 1e-5 relative, the
 fused head's within float32 rounding; the curves agree step for step, far closer than TorchTitan's
@@ -35,11 +35,16 @@ pytestmark = pytest.mark.skipif(
     reason=f"needs torchtitan 0.3 (pip install torchtitan==0.3.0); found {_titan_version()}")
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_example_trains(sequence_parallel, tmp_path):
+# (sequence parallel, ranks, FSDP's sharding degree): TP over every rank, with and without SP;
+# and 2D, FSDP over 2 ranks x TP 2 (each FSDP rank its own batches: a gradient the lm head's FSDP
+# unit failed to reduce would show in the gradient norm)
+@pytest.mark.parametrize("sequence_parallel,world,dp_shard",
+                         [(True, WORLD, 1), (False, WORLD, 1), (True, 2 * WORLD, 2)])
+def test_example_trains(sequence_parallel, world, dp_shard, tmp_path):
     out = tmp_path / "titan.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(WORLD), str(EXAMPLE), "--tiny", "--precision", "float32", "--out", str(out)]
+           str(world), str(EXAMPLE), "--tiny", "--precision", "float32", "--dp-shard",
+           str(dp_shard), "--out", str(out)]
     if not sequence_parallel:
         cmd.append("--no-sequence-parallel")
     # CPU and Gloo wherever it runs: no GPU is made visible.
@@ -49,7 +54,8 @@ def test_example_trains(sequence_parallel, tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     report = json.loads(out.read_text())
     assert report["config"]["sequence_parallel"] == sequence_parallel
-    assert report["config"]["world"] == WORLD and report["config"]["device"] == "cpu"
+    assert report["config"]["world"] == world and report["config"]["device"] == "cpu"
+    assert report["config"]["dp_shard"] == dp_shard
     runs, steps = report["runs"], report["config"]["steps"]
     assert list(runs) == ["titan", "titan_seed2", "xent", "xent_fused"]
     assert {r: v["loss_fn"] for r, v in runs.items()} == {
