@@ -1,5 +1,6 @@
 """TorchTitan 0.3.0's own Trainer and Llama 3 model (the debug model, or --flavor 1B), tensor
-parallel over every rank, four runs on the same data:
+parallel over every rank (or, with --dp-shard N, FSDP over N ranks and TP over the rest), four
+runs on the same data:
 
   titan       TorchTitan's own loss, CrossEntropyLoss (as its llama3_debugmodel_ce_loss config):
               the lm head's logits DTensor into its _LossParallelCrossEntropy;
