@@ -307,8 +307,8 @@ class RecordingTrainer(Trainer):
 
 
 def trainer_config(run, a, world):
-    """config_registry.llama3_debugmodel at TP = world with this run's loss; the rest that differs
-    is said above. No CUDA graphs: the runs alike, each step timed as it runs eagerly."""
+    """TorchTitan's Llama 3 `a.flavor` with this run's loss, FSDP over a.dp_shard ranks and TP over
+    the rest of the world; the rest that differs is said above. No CUDA graphs: the runs alike, each step timed as it runs eagerly."""
     spec = model_registry(a.flavor, converters=[CausalSdpa.Config()])
     if a.layers:
         spec.model.layers = spec.model.layers[:a.layers]
@@ -388,6 +388,8 @@ def compare(runs):
 def main():
     a = parse_args()
     world = int(os.environ["WORLD_SIZE"])
+    if a.dp_shard < 1 or world % a.dp_shard:
+        raise SystemExit(f"--dp-shard {a.dp_shard}: must be >= 1 and divide the {world} ranks")
     init_logger()  # TorchTitan's step lines
     runs = {}
     for run in a.runs:

@@ -252,8 +252,6 @@ TEST(LinearPlan, EpilogueAskedFor) {
   EXPECT_THROW(make_plan(s, bad), xent::Error);
 }
 
-}  // namespace
-
 // A small hidden width (TorchTitan's Llama 3 debug model: H 256, V 128256 over 2 ranks, 8 x 2048
 // tokens): d_weight's fp32 accumulator is small, so the default budget held fast's chunks of
 // 1251 rows, but only with sub-chunks of one row, each a GEMM, a statistics pass and an
@@ -286,3 +284,5 @@ TEST(LinearPlan, FastKeepsWholeSubChunks) {
     whole(tight);
   }
 }
+
+}  // namespace

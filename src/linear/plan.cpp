@@ -207,12 +207,11 @@ Plan fast_within(const Shape& s, int64_t c, size_t budget) {
   return fast_layout(s, c, std::max<int64_t>(whole(sub, 128), 1));  // whole tiles of the GEMM
 }
 
-// Whether fast's plan p of chunks of c rows makes its fp32 logits kSubRows rows at a time (or
-// the whole chunk's): shorter sub-chunks each take a GEMM that rereads the weight, a statistics
-// pass and an exchange of their own (one row each: thousands a step).
-bool whole_sub_chunks(const Shape& s, int64_t c, const Plan& p) {
-  const int64_t m = c * (s.sequence_parallel ? s.ranks : 1);
-  return !has_sub_chunks(s) || p.sub_rows >= std::min(kSubRows, m);
+// Whether fast's plan p makes its fp32 logits kSubRows rows at a time (or the whole chunk's):
+// shorter sub-chunks each take a GEMM that rereads the weight, a statistics pass and an exchange
+// of their own (one row each: thousands a step).
+bool whole_sub_chunks(const Shape& s, const Plan& p) {
+  return !has_sub_chunks(s) || p.sub_rows >= std::min(kSubRows, p.logits_rows());
 }
 
 // fast within `budget`; info.chunks == -1 where no chunk fits. The most rows a chunk whose
@@ -223,10 +222,10 @@ Plan plan_fast(const Shape& s, const LinearOptions& lopt, size_t budget) {
   const auto fits = [&](int64_t r) { return fast_within(s, r, budget).total <= budget; };
   const auto fits_whole = [&](int64_t r) {
     const Plan p = fast_within(s, r, budget);
-    return p.total <= budget && whole_sub_chunks(s, r, p);
+    return p.total <= budget && whole_sub_chunks(s, p);
   };
   Plan one = fast_within(s, N, budget);  // one chunk: no accumulator over chunks
-  if (one.total <= budget && whole_sub_chunks(s, N, one)) return one;
+  if (one.total <= budget && whole_sub_chunks(s, one)) return one;
   int64_t c = largest(1, N - 1, fits_whole);
   if (c < 1 && one.total <= budget) return one;
   if (c < 1) c = largest(1, N - 1, fits);

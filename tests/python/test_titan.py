@@ -1,7 +1,8 @@
 """examples/titan_train.py as a user runs it: TorchTitan's own Trainer and Llama 3 debug model
 (2 layers, 2 x 64 tokens a step) at TP 2 under torchrun, with and without sequence parallelism,
-and 2D (FSDP over 2 ranks x TP 2), on the CPU over Gloo, four runs on the same data: TorchTitan's own loss, the same from other weights, xent's op in its loss slot, and
-xent's fused lm head as a ChunkedLossWrapper. Every run's loss falls; at the first step xent's
+and 2D (FSDP over 2 ranks x TP 2), on the CPU over Gloo, four runs on the same data:
+TorchTitan's own loss, the same from other weights, xent's op in its loss slot, and xent's fused
+lm head as a ChunkedLossWrapper. Every run's loss falls; at the first step xent's
 loss and gradient norm (as TorchTitan logs them) match TorchTitan's own within 1e-5 relative, the
 fused head's within float32 rounding; the curves agree step for step, far closer than TorchTitan's
 own from other weights; the fused head never runs the lm head.
