@@ -36,8 +36,11 @@ def title(c):
     model = "Llama 3 debug model" if c.get("flavor", "debugmodel") == "debugmodel" else \
         f"Llama 3.2 {c['flavor']}" if c["flavor"] == "1B" else f"Llama 3 {c['flavor']}"
     vocab = f", V {c['vocab']}" if c.get("vocab") else ""
-    return (f"TorchTitan {model}{vocab}, {c['batch']} x {c['seq']} tokens, TP {c['world']}{sp}\n"
-            f"{c['device']}, torch {c['torch']}")
+    dp = c.get("dp_shard", 1)
+    mesh = f"FSDP {dp} x TP {c['world'] // dp}" if dp > 1 else f"TP {c['world']}"
+    compiled = ", blocks compiled" if c.get("compile") else ""
+    return (f"TorchTitan {model}{vocab}, {c['batch']} x {c['seq']} tokens, {mesh}{sp}\n"
+            f"{c['device']}, torch {c['torch']}{compiled}")
 
 
 def main():

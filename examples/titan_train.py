@@ -21,9 +21,11 @@ runs on the same data:
 The JSON (--out, rank 0) has each run's losses and gradient norms as TorchTitan logs them
 (RecordingMetrics, the metrics slot, which also reads each step's peak memory before TorchTitan's
 log() resets it; none on the CPU), its step times (RecordingTrainer, a Trainer subclass) and the
-fused head's plan; what it measured on two H200 is in docs/transformers.md. --profile DIR writes
-torch.profiler's tables of each run's sixth step. All through TorchTitan's extension points: the
-Trainer.Config slots, model_registry(converters=[...]), subclasses. What is not, and why:
+fused head's plan; what it measured on H200s (TP 2 and 4, FSDP 2 x TP 2) is in
+docs/transformers.md. --compile has TorchTitan torch.compile each block and its own loss.
+--profile DIR writes torch.profiler's tables of each run's sixth step. All through TorchTitan's
+extension points: the Trainer.Config slots, model_registry(converters=[...]), subclasses. What
+is not, and why:
 
 - torch 2.11, which xent is built against, is older than TorchTitan 0.3.0 expects (2.12):
   `import torchtitan.trainer` fails on torch.distributed.fsdp.DataParallelMeshDims, and
@@ -109,7 +111,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config import (  # noqa: E402
-    CommConfig, DebugConfig, ParallelismConfig, TrainingConfig)
+    CommConfig, CompileConfig, DebugConfig, ParallelismConfig, TrainingConfig)
 from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention, ScaledDotProductAttention)
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
@@ -308,7 +310,8 @@ class RecordingTrainer(Trainer):
 
 def trainer_config(run, a, world):
     """TorchTitan's Llama 3 `a.flavor` with this run's loss, FSDP over a.dp_shard ranks and TP over
-    the rest of the world; the rest that differs is said above. No CUDA graphs: the runs alike, each step timed as it runs eagerly."""
+    the rest of the world; the rest that differs is said above. No CUDA graphs: the runs alike,
+    each step timed as it runs."""
     spec = model_registry(a.flavor, converters=[CausalSdpa.Config()])
     if a.layers:
         spec.model.layers = spec.model.layers[:a.layers]
@@ -328,6 +331,9 @@ def trainer_config(run, a, world):
         training=TrainingConfig(local_batch_size=a.batch, seq_len=a.seq, steps=a.steps,
                                 disable_cuda_graphs=True, mixed_precision_param=a.precision),
         metrics=RecordingMetrics.Config(log_freq=1),
+        # --compile: TorchTitan's torch.compile of each block and of its own loss (xent's losses
+        # are custom ops, never compiled); the lm head and the final norm stay eager in every run
+        compile=CompileConfig(enable=a.compile, components=["model", "loss"]),
         parallelism=ParallelismConfig(
             tensor_parallel_degree=world // a.dp_shard, data_parallel_shard_degree=a.dp_shard,
             enable_sequence_parallel=a.sequence_parallel, spmd_backend="partial_dtensor"),
@@ -358,6 +364,9 @@ def parse_args(argv=None):
                    default="bfloat16" if torch.cuda.is_available() else "float32",
                    help="FSDP's parameter dtype in compute (default: bfloat16 on CUDA)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block and TorchTitan's own loss (GPU "
+                        "steps: eager ones are bound by the host)")
     p.add_argument("--dp-shard", type=int, default=1,
                    help="FSDP's sharding degree; TP is the rest of the ranks (2D where > 1)")
     p.add_argument("--out", default="", help="JSON of the results (rank 0 writes it)")

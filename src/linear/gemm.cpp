@@ -122,6 +122,12 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_b);
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c);
     prefer(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c);
+    // Split-K into a 16-bit C: the INPLACE and OUTPUT_TYPE schemes add the K-slices' partial sums
+    // in C's dtype, rounding each element once per slice, where the contract is one rounding of
+    // the fp32 sum (docs/linear.md, "Accuracy"). Only no split, or partials kept in fp32.
+    if (out_type != CUDA_R_32F)
+      prefer(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+             uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     check_lt(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
