@@ -1,5 +1,6 @@
 #include "linear/gemm.h"
 
+#include <algorithm>
 #include <string>
 
 #include "error.h"
@@ -47,6 +48,15 @@ struct Descriptors {
   }
 };
 
+// Two timing events, released unless handed over (a GEMM that throws between them).
+struct Events {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  ~Events() {
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  }
+};
+
 }  // namespace
 
 Gemm::Gemm() {
@@ -54,7 +64,42 @@ Gemm::Gemm() {
 }
 
 Gemm::~Gemm() {
+  for (auto& [key, choice] : algos_)
+    for (const Choice::Timing& t : choice.pending) {
+      cudaEventDestroy(t.start);
+      cudaEventDestroy(t.stop);
+    }
   if (handle_) cublasLtDestroy(handle_);
+}
+
+void Gemm::collect(Choice& c) {
+  auto done = std::remove_if(c.pending.begin(), c.pending.end(), [&](const Choice::Timing& t) {
+    const cudaError_t e = cudaEventQuery(t.stop);
+    if (e == cudaErrorNotReady) return false;
+    check_cuda(e, "cudaEventQuery (GEMM timing)");
+    float ms = 0.0f;
+    check_cuda(cudaEventElapsedTime(&ms, t.start, t.stop), "cudaEventElapsedTime (GEMM timing)");
+    c.fastest_ms[t.algo] = std::min(c.fastest_ms[t.algo], ms);
+    ++c.timed[t.algo];
+    cudaEventDestroy(t.start);
+    cudaEventDestroy(t.stop);
+    return true;
+  });
+  c.pending.erase(done, c.pending.end());
+  if (*std::min_element(c.timed.begin(), c.timed.end()) >= kSamples)
+    c.chosen = static_cast<int>(std::min_element(c.fastest_ms.begin(), c.fastest_ms.end()) -
+                                c.fastest_ms.begin());
+}
+
+int Gemm::pick(Choice& c, bool may_time, bool* timed) {
+  *timed = false;
+  if (c.chosen >= 0 || !may_time) return c.chosen >= 0 ? c.chosen : 0;
+  collect(c);
+  if (c.chosen >= 0) return c.chosen;
+  const auto fewest = std::min_element(c.issued.begin(), c.issued.end());
+  if (*fewest >= kSamples) return 0;  // the last timings still running: the first meanwhile
+  *timed = true;
+  return static_cast<int>(fewest - c.issued.begin());
 }
 
 void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Operand a, Operand b,
@@ -128,23 +173,58 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
     if (out_type != CUDA_R_32F)
       prefer(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
              uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
-    cublasLtMatmulHeuristicResult_t result{};
+    constexpr int kCandidates = 8;
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
-    check_lt(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result,
-                                            &found),
+    const double flops = 2.0 * static_cast<double>(M) * N * K;
+    const bool tuned = flops >= kTunedFlops && flops <= kTunedFlopsMax;
+    check_lt(cublasLtMatmulAlgoGetHeuristic(handle_, d.op, d.a, d.b, d.c, d.c, d.pref,
+                                            tuned ? kCandidates : 1, results, &found),
              "MatmulAlgoGetHeuristic");
     if (found == 0)
       fail("cuBLASLt has no algorithm for a " + std::to_string(m) + " x " + std::to_string(n) +
            " x " + std::to_string(k) + " GEMM of " + to_string(a.dtype) + " into " +
            to_string(c_dtype));
-    it = algos_.emplace(key, result.algo).first;
+    const auto splits = [](const cublasLtMatmulAlgo_t& algo) {
+      uint32_t s = 1;
+      size_t written = 0;
+      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s, sizeof s,
+                                           &written);
+      return s;
+    };
+    Choice choice;
+    for (int i = 0; i < found; ++i)  // the first, and where it does not split K, others that do not
+      if (i == 0 || (splits(results[0].algo) == 1 && splits(results[i].algo) == 1))
+        choice.algos.push_back(results[i].algo);
+    const size_t count = choice.algos.size();
+    choice.fastest_ms.assign(count, 1e30f);
+    choice.issued.assign(count, 0);
+    choice.timed.assign(count, 0);
+    if (count == 1) choice.chosen = 0;
+    it = algos_.emplace(key, std::move(choice)).first;
+  }
+  Choice& choice = it->second;
+  last_ = &choice;
+  bool timed = false;
+  // No event is queried, made or recorded while the stream is captured (CUDA forbids some there).
+  const int at = pick(choice, choice.chosen < 0 && !capturing(stream), &timed);
+  Events events;
+  if (timed) {
+    check_cuda(cudaEventCreate(&events.start), "cudaEventCreate (GEMM timing)");
+    check_cuda(cudaEventCreate(&events.stop), "cudaEventCreate (GEMM timing)");
+    check_cuda(cudaEventRecord(events.start, stream), "cudaEventRecord (GEMM timing)");
   }
   const float one = 1.0f;
   const float* alpha = device_alpha != nullptr ? device_alpha : &one;
   const float* beta_at = device_alpha == nullptr ? &beta : device_alpha + (beta == 0.0f ? 1 : 2);
   check_lt(cublasLtMatmul(handle_, d.op, alpha, b.data, d.a, a.data, d.b, beta_at, c, d.c, c, d.c,
-                          &it->second, workspace_, kWorkspaceBytes, stream),
+                          &choice.algos[at], workspace_, kWorkspaceBytes, stream),
            "Matmul");
+  if (!timed) return;
+  check_cuda(cudaEventRecord(events.stop, stream), "cudaEventRecord (GEMM timing)");
+  choice.pending.push_back({at, events.start, events.stop});
+  ++choice.issued[at];
+  events.start = events.stop = nullptr;  // the pending timing owns them now
 }
 
 }  // namespace xent::linear::device
