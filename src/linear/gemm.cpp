@@ -1,6 +1,7 @@
 #include "linear/gemm.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 
 #include "error.h"
@@ -48,6 +49,17 @@ struct Descriptors {
   }
 };
 
+// The timing's event calls are refused in CUDA's default capture mode while another stream is being
+// captured (by this thread, or in global mode by any), and would spoil that capture: they run in
+// the relaxed mode, which is sound here since none of them touches a captured stream.
+struct RelaxedCapture {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+};
+
 // Two timing events, released unless handed over (a GEMM that throws between them).
 struct Events {
   cudaEvent_t start = nullptr, stop = nullptr;
@@ -73,19 +85,31 @@ Gemm::~Gemm() {
 }
 
 void Gemm::collect(Choice& c) {
-  auto done = std::remove_if(c.pending.begin(), c.pending.end(), [&](const Choice::Timing& t) {
-    const cudaError_t e = cudaEventQuery(t.stop);
-    if (e == cudaErrorNotReady) return false;
-    check_cuda(e, "cudaEventQuery (GEMM timing)");
+  const RelaxedCapture relaxed;
+  cudaError_t failed = cudaSuccess;
+  std::vector<Choice::Timing> running;
+  for (const Choice::Timing& t : c.pending) {
+    cudaError_t e = cudaEventQuery(t.stop);
     float ms = 0.0f;
-    check_cuda(cudaEventElapsedTime(&ms, t.start, t.stop), "cudaEventElapsedTime (GEMM timing)");
-    c.fastest_ms[t.algo] = std::min(c.fastest_ms[t.algo], ms);
-    ++c.timed[t.algo];
+    if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, t.start, t.stop);
+    if (e == cudaErrorNotReady) {
+      running.push_back(t);
+      continue;
+    }
+    if (e == cudaSuccess) {
+      c.fastest_ms[t.algo] = std::min(c.fastest_ms[t.algo], ms);
+      ++c.timed[t.algo];
+    } else if (failed == cudaSuccess) {
+      failed = e;
+    }
     cudaEventDestroy(t.start);
     cudaEventDestroy(t.stop);
-    return true;
-  });
-  c.pending.erase(done, c.pending.end());
+  }
+  c.pending = std::move(running);
+  if (failed != cudaSuccess) {
+    cudaGetLastError();  // reported here, not by whichever check comes next
+    check_cuda(failed, "reading a GEMM's timing events");
+  }
   if (*std::min_element(c.timed.begin(), c.timed.end()) >= kSamples)
     c.chosen = static_cast<int>(std::min_element(c.fastest_ms.begin(), c.fastest_ms.end()) -
                                 c.fastest_ms.begin());
@@ -105,6 +129,7 @@ int Gemm::pick(Choice& c, bool may_time, bool* timed) {
 void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Operand a, Operand b,
                float beta, void* c, DType c_dtype, int64_t ldc, cudaStream_t stream,
                const float* device_alpha) {
+  last_ = nullptr;
   if (m == 0 || n == 0) return;
   if (device_alpha != nullptr && beta != 0.0f && beta != 1.0f)
     fail("Gemm::run: beta " + std::to_string(beta) + " with a device alpha: it must be 0 or 1");
@@ -173,7 +198,6 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
     if (out_type != CUDA_R_32F)
       prefer(CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
              uint32_t{CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE});
-    constexpr int kCandidates = 8;
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
     const double flops = 2.0 * static_cast<double>(M) * N * K;
@@ -185,12 +209,12 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
       fail("cuBLASLt has no algorithm for a " + std::to_string(m) + " x " + std::to_string(n) +
            " x " + std::to_string(k) + " GEMM of " + to_string(a.dtype) + " into " +
            to_string(c_dtype));
-    const auto splits = [](const cublasLtMatmulAlgo_t& algo) {
-      uint32_t s = 1;
+    const auto splits = [](const cublasLtMatmulAlgo_t& algo) {  // 0: not known
+      uint32_t s = 0;
       size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s, sizeof s,
-                                           &written);
-      return s;
+      const cublasStatus_t st = cublasLtMatmulAlgoConfigGetAttribute(
+          &algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s, sizeof s, &written);
+      return st == CUBLAS_STATUS_SUCCESS ? s : 0;
     };
     Choice choice;
     for (int i = 0; i < found; ++i)  // the first, and where it does not split K, others that do not
@@ -206,10 +230,12 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
   Choice& choice = it->second;
   last_ = &choice;
   bool timed = false;
-  // No event is queried, made or recorded while the stream is captured (CUDA forbids some there).
+  // Nothing of the timing on a captured stream: its events would time nothing.
   const int at = pick(choice, choice.chosen < 0 && !capturing(stream), &timed);
+  std::optional<RelaxedCapture> relaxed;
   Events events;
   if (timed) {
+    relaxed.emplace();
     check_cuda(cudaEventCreate(&events.start), "cudaEventCreate (GEMM timing)");
     check_cuda(cudaEventCreate(&events.stop), "cudaEventCreate (GEMM timing)");
     check_cuda(cudaEventRecord(events.start, stream), "cudaEventRecord (GEMM timing)");
@@ -217,9 +243,21 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
   const float one = 1.0f;
   const float* alpha = device_alpha != nullptr ? device_alpha : &one;
   const float* beta_at = device_alpha == nullptr ? &beta : device_alpha + (beta == 0.0f ? 1 : 2);
-  check_lt(cublasLtMatmul(handle_, d.op, alpha, b.data, d.a, a.data, d.b, beta_at, c, d.c, c, d.c,
-                          &choice.algos[at], workspace_, kWorkspaceBytes, stream),
-           "Matmul");
+  const auto matmul = [&](int i) {
+    return cublasLtMatmul(handle_, d.op, alpha, b.data, d.a, a.data, d.b, beta_at, c, d.c, c, d.c,
+                          &choice.algos[i], workspace_, kWorkspaceBytes, stream);
+  };
+  const cublasStatus_t status = matmul(at);
+  // A candidate that cannot run is out from here on, and the heuristic's first runs this call.
+  if (status != CUBLAS_STATUS_SUCCESS && at != 0) {
+    cudaGetLastError();
+    choice.fastest_ms[at] = 1e30f;
+    choice.issued[at] = choice.timed[at] = kSamples;
+    if (choice.chosen == at) choice.chosen = 0;
+    check_lt(matmul(0), "Matmul");
+    return;
+  }
+  check_lt(status, "Matmul");
   if (!timed) return;
   check_cuda(cudaEventRecord(events.stop, stream), "cudaEventRecord (GEMM timing)");
   choice.pending.push_back({at, events.start, events.stop});

@@ -51,11 +51,12 @@ class Gemm {
   // The workspace of the calls that follow (linear::kGemmWorkspaceBytes of the call's scratch).
   void set_workspace(void* workspace) { workspace_ = workspace; }
 
-  // Timings each candidate takes before the fastest is chosen. Tuned: GEMMs of 2 m n k flops in
-  // [kTunedFlops, kTunedFlopsMax]. Smaller ones take microseconds; in larger ones (a whole shard's
-  // GEMM, over a millisecond) the heuristic's first was within 1.5 % of the best, where their
-  // timing calls would run the slower candidates on whole calls (one H200, docs/linear.md).
-  static constexpr int kSamples = 2;
+  // Timings each candidate takes before the fastest is chosen, of at most kCandidates. Tuned:
+  // GEMMs of 2 m n k flops in [kTunedFlops, kTunedFlopsMax]. Smaller ones take microseconds; in the
+  // larger ones measured (the bench's whole-shard GEMMs, over a millisecond) the heuristic's first
+  // was within 1.5 % of the best, and timing the slower candidates would cost whole calls (one
+  // H200, docs/linear.md).
+  static constexpr int kSamples = 2, kCandidates = 8;
   static constexpr double kTunedFlops = 1e9, kTunedFlopsMax = 1e12;
   // The last call's shape: how many candidates it has, and the one chosen (-1: not yet).
   int last_candidates() const { return last_ ? static_cast<int>(last_->algos.size()) : 0; }

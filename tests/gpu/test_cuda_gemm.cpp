@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -34,9 +35,10 @@ struct GemmShape {
   int64_t m, n, k;
 };
 
-// Calls of one shape, synchronised, after which its algorithm is chosen: each of at most 8
-// candidates timed kSamples times, and one more call to read the last timings.
-constexpr int kCallsToChoose = 8 * xent::linear::device::Gemm::kSamples + 1;
+// Calls of one shape, synchronised, after which its algorithm is chosen: each candidate timed
+// kSamples times, and one more call to read the last timings.
+constexpr int kCallsToChoose =
+    xent::linear::device::Gemm::kCandidates * xent::linear::device::Gemm::kSamples + 1;
 
 template <DType T>
 void expect_rounded_once(GemmShape s) {
@@ -98,6 +100,7 @@ void expect_rounded_once(GemmShape s) {
       EXPECT_EQ(bad32, 0) << "the fp32 C is not the exact sum";
       EXPECT_EQ(bad, 0) << "elements not rounded once (first: " << first << ")";
     }
+  EXPECT_GE(gemm.last_chosen(), 0) << "no algorithm chosen after " << kCallsToChoose << " calls";
 }
 
 class CudaGemm : public ::testing::Test {
@@ -167,6 +170,7 @@ TEST_F(CudaGemm, TuningKeepsBits) {
          gemm.run(false, false, rows, hidden, cols, {dg.p, DType::bf16, cols},
                   {dw.p, DType::bf16, hidden}, 1.0f, acc.p, DType::f32, hidden, nullptr);
        }}};
+  int most_candidates = 0;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     std::vector<unsigned char> first(c.out.bytes), now(c.out.bytes);
@@ -179,9 +183,11 @@ TEST_F(CudaGemm, TuningKeepsBits) {
     }
     std::printf("%s: %d candidates, chosen %d\n", c.what, gemm.last_candidates(),
                 gemm.last_chosen());
-    EXPECT_GE(gemm.last_candidates(), 1);
+    most_candidates = std::max(most_candidates, gemm.last_candidates());
     EXPECT_GE(gemm.last_chosen(), 0) << "not chosen after " << kCallsToChoose << " calls";
   }
+  // cuBLASLt 13 offers eight for each on an H100 or H200; one everywhere would test nothing here.
+  EXPECT_GT(most_candidates, 1) << "cuBLASLt offered one algorithm for every shape: no tuning ran";
 }
 
 }  // namespace
