@@ -106,6 +106,9 @@ void Gemm::collect(Choice& c) {
     cudaEventDestroy(t.stop);
   }
   c.pending = std::move(running);
+  // A query's "not yet" may stay behind as the thread's last error (PyTorch's allocator clears it
+  // too): cleared, so that the next launch's check does not report it.
+  if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
   if (failed != cudaSuccess) {
     cudaGetLastError();  // reported here, not by whichever check comes next
     check_cuda(failed, "reading a GEMM's timing events");
