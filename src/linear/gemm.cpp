@@ -220,8 +220,9 @@ void Gemm::run(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, Oper
       return st == CUBLAS_STATUS_SUCCESS ? s : 0;
     };
     Choice choice;
+    const bool first_whole_k = splits(results[0].algo) == 1;
     for (int i = 0; i < found; ++i)  // the first, and where it does not split K, others that do not
-      if (i == 0 || (splits(results[0].algo) == 1 && splits(results[i].algo) == 1))
+      if (i == 0 || (first_whole_k && splits(results[i].algo) == 1))
         choice.algos.push_back(results[i].algo);
     const size_t count = choice.algos.size();
     choice.fastest_ms.assign(count, 1e30f);
