@@ -56,6 +56,14 @@ int main(int argc, char** argv) {
   Env& e = env();
   MPI_Comm_rank(MPI_COMM_WORLD, &e.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &e.size);
+  if (e.size < 2) {  // the tests' shard layouts assume a second rank (test_dist.cpp)
+    std::fprintf(stderr,
+                 "xent_dist_tests: %d rank; it needs 2 or more (mpirun -np 2 ...). On one GPU, "
+                 "XENT_TEST_BACKEND=cuda-mpi lets the ranks share it\n",
+                 e.size);
+    MPI_Finalize();
+    return 2;
+  }
   const std::string be =
       std::getenv("XENT_TEST_BACKEND") ? std::getenv("XENT_TEST_BACKEND") : "cpu";
   const bool nccl = be == "cuda", shared = be == "cuda-mpi";

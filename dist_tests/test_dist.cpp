@@ -129,7 +129,7 @@ TEST_F(Dist, ExtremeLogits) {
   for (int64_t j = 0; j < Vp; ++j) {
     c.x.at(0, j) = j == 1 ? 1e4 : 0.0;  // target 1e4
     c.x.at(1, j) = j < s[size() - 1] ? -1e4 : (j == s[size() - 1] ? 1e4 - 1 : 1e4 - 2);
-    c.x.at(2, j) = j < s[1] ? 0.5 * static_cast<double>(j % 3) : -kInf;  // ranks >= 1: all -inf
+    c.x.at(2, j) = j < w[0] ? 0.5 * static_cast<double>(j % 3) : -kInf;  // ranks >= 1: all -inf
     c.x.at(3, j) = j == Vp - 1 ? 2.0 : -kInf;                            // only the target finite
     c.x.at(4, j) = j == 0 ? -1e4 : 0.0;                                  // target at -1e4
   }
