@@ -213,6 +213,9 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
     EXPECT_EQ(p.stats_rows, s.rows_all());
     EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's fp32 logits in the sweep's buffers";
     EXPECT_GE(p.info.chunk_cols, cublaslt.info.chunk_cols) << "the fp32 block's bytes freed";
+    EXPECT_EQ(p.info.chunk_cols % xent::linear::kEpilogueCols, 0)
+        << "no chunk ends inside the gradient GEMM's tiles";
+    if (tp == 1) EXPECT_EQ(p.info.chunk_cols, xent::linear::kWideCols) << "the budget holds them";
     EXPECT_LT(p.bytes[xent::linear::kLogits], cublaslt.bytes[xent::linear::kLogits]);
     LinearOptions forced;
     forced.gemm = xent::LinearGemm::cublaslt;

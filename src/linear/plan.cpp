@@ -269,7 +269,7 @@ Plan plan_lean(const Shape& s, const LinearOptions& lopt, size_t budget, int64_t
     none.info.chunks = -1;
     return none;
   }
-  return lean_layout(s, rb, vc == V ? V : whole(vc, 128), epi);
+  return lean_layout(s, rb, vc == V ? V : whole(vc, epi ? kEpilogueCols : 128), epi);
 }
 
 [[noreturn]] void refuse(const Shape& s, const LinearOptions& lopt, size_t budget, bool given,

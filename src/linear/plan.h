@@ -80,8 +80,11 @@ struct Plan {
   int64_t logits_rows() const { return info.chunk_rows * ranks_in_chunk; }
 };
 
-// cuBLASLt's workspace: its recommendation for Hopper.
-constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// cuBLASLt's workspace. Its recommendation for Hopper is 32 MiB, for split-K's partial sums;
+// the GEMMs here take algorithms that do not split K (gemm.cpp), and 8 MiB timed the same as 32
+// (one H200, lean at 32064 and 128256 columns, fast at 128256: docs/linear.md), leaving 24 MiB of
+// the default budget to wider chunks.
+constexpr size_t kGemmWorkspaceBytes = size_t(8) << 20;
 // fast, 16-bit on CUDA: fp32 logits made a sub-chunk of at most this many rows at a time (its
 // logits GEMM reads the weight once per that many rows: 128 rows took 2x the GEMM's time on H100).
 constexpr int64_t kSubRows = 512;
@@ -95,12 +98,19 @@ constexpr int64_t kLeanRows = 2048;
 // traffic, so chunks much narrower than H spend more on that than on the GEMM.
 constexpr int64_t kLeanCols = 3072;
 // lean under the default budget: chunks of at most this many columns. The accumulator's traffic
-// per GEMM work falls as 1 / width, so wider chunks gain little, and the default keeps the rest of
-// its budget unspent (where the budget would buy fast, fast takes it). At hidden 4096 an eighth of
-// the logits buys fewer columns than this; at hidden 2048 (Llama 3.2 1B in a Transformers step)
-// it bought about 6500, and that scratch set the step's peak, 26 MiB over Liger-Kernel's, where
-// 170 and 224 MiB (about 3000 and 5000 columns) met Liger's peak at the same step time.
-constexpr int64_t kWideCols = 4096;
+// per GEMM work falls as 1 / width: at 8192 rows, hidden 4096 and 128256 columns, chunks of 6144
+// took 52.4-53.2 ms a step against 54.3-55.1 at 4096 (one H200). Wider gained nothing more, and
+// the default keeps the rest of its budget unspent (where the budget would buy fast, fast takes
+// it). At hidden 2048 (Llama 3.2 1B in a Transformers step) an eighth of the logits bought about
+// 6500 columns, and that scratch set the step's peak, 26 MiB over Liger-Kernel's, where 170 and
+// 224 MiB (about 3000 and 5000 columns) met Liger's peak at the same step time; 6144 columns take
+// 170 MiB there.
+constexpr int64_t kWideCols = 6144;
+// lean on the epilogue engine: chunks of a multiple of this many columns (where wider), two of the
+// gradient GEMM's 256-column tiles. A chunk that ends inside a tile pays for the whole tile on
+// every row: at 32064 columns a rank, chunks of 4480 columns took 14.1-14.6 ms a step, of 4096
+// and 4608 columns 12.5-12.7 (one H200, docs/linear.md).
+constexpr int64_t kEpilogueCols = 512;
 
 // The default budget's floor: below it the schedules' difference in memory is too small to
 // matter, and fast's fewer GEMMs win.
