@@ -80,10 +80,9 @@ struct Plan {
   int64_t logits_rows() const { return info.chunk_rows * ranks_in_chunk; }
 };
 
-// cuBLASLt's workspace. Its recommendation for Hopper is 32 MiB, for split-K's partial sums;
-// the GEMMs here take algorithms that do not split K (gemm.cpp), and 8 MiB timed the same as 32
-// (one H200, lean at 32064 and 128256 columns, fast at 128256: docs/linear.md), leaving 24 MiB of
-// the default budget to wider chunks.
+// cuBLASLt's workspace (its heuristic offers only algorithms that fit). Its recommendation for
+// Hopper is 32 MiB; 8 MiB timed the same (one H200: lean at 32064 and 128256 columns a rank, fast
+// at 128256; docs/linear.md), and the 24 MiB it leaves in the default budget buy wider chunks.
 constexpr size_t kGemmWorkspaceBytes = size_t(8) << 20;
 // fast, 16-bit on CUDA: fp32 logits made a sub-chunk of at most this many rows at a time (its
 // logits GEMM reads the weight once per that many rows: 128 rows took 2x the GEMM's time on H100).
