@@ -22,8 +22,19 @@ struct GradVisit {
     int64_t ldg;
   };
 
+  // The softcap is decided once a tile, so that the loop over the accumulators holds only the
+  // math of the case at hand (GradAgent's kCap): with a run-time test inside it, a row without a
+  // softcap may still pay for the softcap's exponential and reciprocal.
   template <class Acc, class Crd>
   static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int n) {
+    if (P.p.softcap > 0.0f)
+      rows<true>(P, acc, crd, m, n);
+    else
+      rows<false>(P, acc, crd, m, n);
+  }
+
+  template <bool kCap, class Acc, class Crd>
+  static CUTLASS_DEVICE void rows(const Params& P, Acc& acc, Crd& crd, int m, int n) {
     using namespace cute;
     using F32 = core::Elem<DType::f32>;
     using BF16 = core::Elem<DType::bf16>;
@@ -37,7 +48,7 @@ struct GradVisit {
       const core::RowFactor f = core::gradient_row_factor(
           P.grad_output, P.p.reduction == Reduction::none ? row : 0, P.p.grad_scale, false);
       const bool has = cuda::detail::has_gradient(P.p, y);
-      const cuda::detail::GradAgent<F32, true, BF16> grad(P.p, y, P.lse[row],
+      const cuda::detail::GradAgent<F32, kCap, BF16> grad(P.p, y, P.lse[row],
                                                           P.scalars[Workspace::kScale] * f.factor);
       __nv_bfloat16* out = P.grad + row * P.ldg;
       CUTLASS_PRAGMA_UNROLL
