@@ -260,27 +260,33 @@ TEST_F(Linear, Softcap) {
   run_linear(local(), c);
 }
 
-// Chunks of several of the epilogue engine's 256-column tiles: whole tiles (every column real)
-// and ragged ones with padding, rows not a multiple of its 128, with and without a softcap, the
-// sum and argmax wanted or not: each path of its epilogues (sm90/grad_gemm.cu, stats_gemm.cu),
-// and on every other engine and backend the same cases against the reference.
+// Chunks of several of the epilogue engine's 256-column tiles: whole tiles (every column real and
+// inside the chunk) and ragged ones, rows not a multiple of its 128 and some without a gradient,
+// with and without a softcap, the sum and argmax wanted or not, an even and an odd row stride of
+// the chunk's gradient: each path of its epilogues (sm90/grad_gemm.cu, and stats_gemm.cu where
+// the forward's statistics are there), and on every other engine and backend the same cases
+// against the reference.
 TEST_F(Linear, WholeAndRaggedTiles) {
   const xent::Group g = local();
-  for (float cap : {0.0f, 3.0f}) {
-    for (bool extras : {false, true}) {
-      SCOPED_TRACE("softcap " + std::to_string(cap) + (extras ? ", sum and argmax" : ""));
-      LinearCase c;
-      c.rows = 300;
-      c.H = 64;
-      c.widths = {1100};
-      c.vocab_size = 1093;
-      c.opt.softcap = cap;
-      if (extras) {
-        c.opt.label_smoothing = 0.1f;
-        c.opt.compute_accuracy = true;
+  for (int64_t cols : {600, 601}) {
+    for (float cap : {0.0f, 3.0f}) {
+      for (bool extras : {false, true}) {
+        SCOPED_TRACE(std::to_string(cols) + "-column chunks, softcap " + std::to_string(cap) +
+                     (extras ? ", sum and argmax" : ""));
+        LinearCase c;
+        c.rows = 300;
+        c.H = 64;
+        c.widths = {1100};
+        c.vocab_size = 1093;
+        c.p_ignore = 0.1;
+        c.opt.softcap = cap;
+        if (extras) {
+          c.opt.label_smoothing = 0.1f;
+          c.opt.compute_accuracy = true;
+        }
+        c.lopt.chunk_cols = cols;  // lean: two whole tiles and a ragged one, then the rest
+        run_linear(g, c);
       }
-      c.lopt.chunk_cols = 600;  // lean: two whole tiles and a ragged one, then 500 columns
-      run_linear(g, c);
     }
   }
 }
