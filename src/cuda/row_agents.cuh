@@ -355,9 +355,16 @@ struct GradAgent {
   }
 
   __device__ __forceinline__ typename EO::type operator()(T v, int col) const {
-    const core::CappedLogit z = core::cap_logit(E::load(v), k);
-    const float g = core::grad_x(z.z, z.slope, col == tl, c);
+    const float g = value(v, col);      // computed for every column, then selected:
     return EO::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
+  }
+  // The same for a column known to be real (col < rc), without the select.
+  __device__ __forceinline__ typename EO::type real(T v, int col) const {
+    return EO::store(value(v, col));
+  }
+  __device__ __forceinline__ float value(T v, int col) const {
+    const core::CappedLogit z = core::cap_logit(E::load(v), k);
+    return core::grad_x(z.z, z.slope, col == tl, c);
   }
 };
 

@@ -40,6 +40,11 @@ struct GradVisit {
     using BF16 = core::Elem<DType::bf16>;
     static_assert(size<1>(Acc{}) % 2 == 0);
     const bool pairs = P.ldg % 2 == 0;  // then two adjacent columns are 4-byte aligned
+    // A tile whose columns are all real and inside the chunk (all but a chunk's last) stores its
+    // rows' pairs without a test per column.
+    constexpr int kTileCols = size<1>(TileShape{});
+    const int tile_end = (get<1>(crd(0, 0)) / kTileCols + 1) * kTileCols;
+    const bool whole = pairs && tile_end <= n && tile_end <= static_cast<int>(P.p.real_cols);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(acc); ++r) {
       const int row = get<0>(crd(r, 0));
@@ -51,6 +56,15 @@ struct GradVisit {
       const cuda::detail::GradAgent<F32, kCap, BF16> grad(P.p, y, P.lse[row],
                                                           P.scalars[Workspace::kScale] * f.factor);
       __nv_bfloat16* out = P.grad + row * P.ldg;
+      if (whole && has) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(acc); j += 2) {
+          const int col = get<1>(crd(r, j));
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __halves2bfloat162(grad.real(acc(r, j), col), grad.real(acc(r, j + 1), col + 1));
+        }
+        continue;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(acc); j += 2) {
         const int col = get<1>(crd(r, j));  // even; column col + 1 is j + 1's
