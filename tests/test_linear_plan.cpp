@@ -9,6 +9,7 @@
 #include <string>
 
 #include "linear/plan.h"
+#include "linear/sm90/partials.h"
 
 namespace {
 
@@ -232,6 +233,29 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
 
 // gemm = epilogue with automatic schedule takes lean even where the budget holds fast; with
 // schedule fast it is refused by name.
+// The statistics GEMM writes a partial record per row and 256-column tile where forward's fp32
+// logits would be: at a few columns those are the larger, and the buffers hold them.
+TEST(LinearPlan, EpilogueForwardHoldsThePartials) {
+  for (int64_t widest : {1, 5, 200, 300, 128256})
+    for (bool dh : {true, false}) {
+      SCOPED_TRACE("widest " + std::to_string(widest) + (dh ? "" : ", d_weight alone"));
+      Shape s = step(1, widest, 1000, 64);
+      s.epilogue = true;
+      s.d_hidden = dh;
+      LinearOptions lopt;
+      lopt.gemm = xent::LinearGemm::epilogue;
+      const Plan p = make_plan(s, lopt);
+      ASSERT_EQ(p.info.gemm, xent::LinearGemm::epilogue);
+      using xent::linear::kDHidden, xent::linear::kGrad, xent::linear::kLogits;
+      namespace sm90 = xent::linear::sm90;
+      const size_t region = p.bytes[kLogits] + p.bytes[kGrad] + p.bytes[kDHidden];
+      EXPECT_GE(region,
+                size_t(sm90::stats_tiles(p.stats_cols)) * sm90::Partial::kFields * 4 * 1000);
+      EXPECT_GE(region, size_t(p.stats_cols) * 4 * 1000);
+      EXPECT_LE(p.total, p.info.budget);
+    }
+}
+
 TEST(LinearPlan, EpilogueAskedFor) {
   Shape s = step(1, 128256);
   s.epilogue = true;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "error.h"
+#include "linear/sm90/partials.h"
 
 namespace xent {
 
@@ -143,14 +144,19 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
   if (epi) {
-    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward: epi
-    // comes with gradients) hold; kLogits holds at least one column.
+    // Forward's chunks over every row, as wide as fp32 logits in kGrad and kDHidden (idle in
+    // forward: epi comes with gradients) would be; the statistics GEMM writes its partial
+    // records there instead (far fewer bytes, save for chunks of a few columns); kLogits holds at
+    // least one column.
     const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
     const int64_t wide = std::max<int64_t>(
         1, std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1))));
     p.stats_rows = M;
     p.stats_cols = wide == V ? V : whole(wide, 128);
-    b[kLogits] = std::max(col, col * u(p.stats_cols) - std::min(idle, col * u(p.stats_cols)));
+    // The statistics GEMM's partial records (sm90/partials.h) where the fp32 logits would be.
+    const size_t tiles = u(sm90::stats_tiles(p.stats_cols)) * sm90::Partial::kFields * 4 * u(M);
+    const size_t need = std::max(col * u(p.stats_cols), tiles);
+    b[kLogits] = std::max(col, need - std::min(idle, need));
   } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {

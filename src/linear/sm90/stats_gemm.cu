@@ -1,0 +1,114 @@
+// The forward's logits GEMM whose epilogue makes each tile's statistics of its rows (max and sum
+// of exp, the target's logit, the sum of the logits, the argmax; softcap first) from the fp32
+// accumulators, and writes them as partial records (partials.h): no logits are written. Each
+// thread adds its columns as the statistics kernel adds a row's (core::LocalStats); the four
+// threads of a quad hold a row's 256 columns of the tile and merge theirs by shuffles.
+#include "backend.h"
+#include "core/dtype.h"
+#include "core/math.h"
+#include "core/record.h"
+#include "cuda/row_agents.cuh"
+#include "linear/sm90/kernel.cuh"
+#include "linear/sm90/partials.h"
+
+namespace xent::linear::sm90 {
+
+namespace {
+
+__device__ __forceinline__ core::LocalStats from_lane(const core::LocalStats& st, int lane) {
+  core::LocalStats o;
+  o.lse.m = __shfl_xor_sync(0xffffffffu, st.lse.m, lane);
+  o.lse.s = __shfl_xor_sync(0xffffffffu, st.lse.s, lane);
+  o.target_z = __shfl_xor_sync(0xffffffffu, st.target_z, lane);
+  o.sum_z = __shfl_xor_sync(0xffffffffu, st.sum_z, lane);
+  o.best.value = __shfl_xor_sync(0xffffffffu, st.best.value, lane);
+  o.best.index = __shfl_xor_sync(0xffffffffu, st.best.index, lane);
+  return o;
+}
+
+struct StatsVisit {
+  struct Params {
+    core::Problem p;  // the chunk's
+    TargetsView targets;
+    float* partials;  // [tiles][Partial::kFields][m]
+  };
+
+  template <class Acc, class Crd>
+  static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int) {
+    using namespace cute;
+    constexpr int kRows = size<0>(Acc{}), kCols = size<1>(Acc{});
+    static_assert(kCols * 4 == kStatsTileCols, "a quad holds a row's columns of the tile");
+    const core::CapScales k(P.p.softcap);
+    const int real = static_cast<int>(P.p.real_cols);
+    const bool want_sum = P.p.layout.sum_field >= 0, want_max = P.p.layout.max_field >= 0;
+    const int64_t t = get<1>(crd(0, 0)) / kStatsTileCols;
+    const int lane = threadIdx.x % 32;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(crd(r, 0));
+      const bool in = row < m;
+      int tl = -1;  // the target's column in this chunk
+      if (in) {
+        const int64_t y = core::load_target(P.targets.data, P.targets.type, row);
+        const int64_t l = y - P.p.vocab_start;
+        if (y != P.p.ignore_index && l >= 0 && l < real) tl = static_cast<int>(l);
+      }
+      core::LocalStats st;
+      int nan = 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int col = get<1>(crd(r, j));
+        if (col >= real) continue;
+        const float z = core::softcap(acc(r, j), k);
+        st.lse.add(z);
+        nan |= z != z;
+        if (col == tl) st.target_z = z;
+        if (want_sum) st.sum_z += z;
+        if (want_max) st.best.add(z, P.p.vocab_start + col);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int x = 1; x < 4; x *= 2) {
+        core::merge(st, from_lane(st, x));
+        nan |= __shfl_xor_sync(0xffffffffu, nan, x);
+      }
+      // A NaN logit makes the row's lse NaN through every later merge (one whose maxima are all
+      // -inf would otherwise keep the other side's sum).
+      if (nan) st.lse = core::LseAcc{0.0f, __int_as_float(0x7fc00000)};
+      if (in && lane % 4 == 0) write_partial(st, P.partials, m, t, row);
+    }
+  }
+};
+
+// One thread a row: its tiles' partials merged in column order, then its record, and the report
+// of a target out of range (the statistics kernel's, RowTarget::write_record).
+__global__ void merge_kernel(const core::Problem p, const TargetsView targets,
+                             const float* partials, int64_t tiles, float* record, int64_t* error) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= p.rows) return;
+  core::LocalStats st;
+  for (int64_t t = 0; t < tiles; ++t) core::merge(st, read_partial(partials, p.rows, t, row));
+  core::write_record(st, p.layout, record, p.rows, row);
+  const int64_t y = core::load_target(targets.data, targets.type, row);
+  if (y != p.ignore_index && !core::target_in_range(y, p.vocab_size) && error != nullptr)
+    cuda::detail::report_bad_target(error, targets.data, targets.type, row);
+}
+
+}  // namespace
+
+void merge_stats(const core::Problem& pc, TargetsView targets, const float* partials, float* record,
+                 int64_t* error, cudaStream_t stream) {
+  if (pc.rows == 0) return;
+  constexpr int kThreads = 256;
+  const int64_t tiles = stats_tiles(pc.real_cols);
+  merge_kernel<<<static_cast<unsigned>((pc.rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+      pc, targets, partials, tiles, record, error);
+  check_cuda(cudaGetLastError(), "xent statistics merge (sm90)");
+}
+
+void stats_gemm(const Operands& g, const core::Problem& pc, TargetsView targets, float* partials,
+                cudaStream_t stream) {
+  const StatsVisit::Params params{pc, targets, partials};
+  EpilogueKernel<StatsVisit>::run(g, params, stream, "xent statistics GEMM (sm90)");
+}
+
+}  // namespace xent::linear::sm90
