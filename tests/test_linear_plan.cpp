@@ -212,7 +212,7 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
     EXPECT_LE(p.total, p.info.budget);
     EXPECT_EQ(p.info.chunk_rows, s.rows_all());
     EXPECT_EQ(p.stats_rows, s.rows_all());
-    EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's fp32 logits in the sweep's buffers";
+    EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's partials in the sweep's buffers";
     EXPECT_GE(p.info.chunk_cols, cublaslt.info.chunk_cols) << "the fp32 block's bytes freed";
     EXPECT_EQ(p.info.chunk_cols % xent::linear::kEpilogueCols, 0)
         << "no chunk ends inside the gradient GEMM's tiles";
@@ -233,8 +233,9 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
 
 // gemm = epilogue with automatic schedule takes lean even where the budget holds fast; with
 // schedule fast it is refused by name.
-// The statistics GEMM writes a partial record per row and 256-column tile where forward's fp32
-// logits would be: at a few columns those are the larger, and the buffers hold them.
+// The statistics GEMM writes a partial record per row and 256-column tile, no logits: the
+// buffers hold them at a few columns too (d_weight alone: no d_hidden accumulator to borrow), and
+// the whole shard's at once at 8192 rows.
 TEST(LinearPlan, EpilogueForwardHoldsThePartials) {
   for (int64_t widest : {1, 5, 200, 300, 128256})
     for (bool dh : {true, false}) {
@@ -251,9 +252,13 @@ TEST(LinearPlan, EpilogueForwardHoldsThePartials) {
       const size_t region = p.bytes[kLogits] + p.bytes[kGrad] + p.bytes[kDHidden];
       EXPECT_GE(region,
                 size_t(sm90::stats_tiles(p.stats_cols)) * sm90::Partial::kFields * 4 * 1000);
-      EXPECT_GE(region, size_t(p.stats_cols) * 4 * 1000);
       EXPECT_LE(p.total, p.info.budget);
     }
+  Shape s = step(1, 128256);  // 8192 rows, hidden 4096: the whole shard's partials, 98 MiB
+  s.epilogue = true;
+  const Plan p = make_plan(s, LinearOptions{});
+  EXPECT_EQ(p.stats_cols, 128256);
+  EXPECT_EQ(p.stats_chunks, 1);
 }
 
 TEST(LinearPlan, EpilogueAskedFor) {

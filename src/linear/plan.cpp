@@ -144,19 +144,18 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
   if (epi) {
-    // Forward's chunks over every row, as wide as fp32 logits in kGrad and kDHidden (idle in
-    // forward: epi comes with gradients) would be; the statistics GEMM writes its partial
-    // records there instead (far fewer bytes, save for chunks of a few columns); kLogits holds at
-    // least one column.
-    const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
-    const int64_t wide = std::max<int64_t>(
-        1, std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1))));
+    // Forward's chunks over every row: the statistics GEMM writes a partial record per row and
+    // 256-column tile (sm90/partials.h), no logits, into kGrad and kDHidden (idle in forward: epi
+    // comes with gradients), as many tiles as they hold (the whole shard at 8192 rows: 98 MiB at
+    // 128256 columns), at least one (kLogits then holds the rest).
+    const size_t idle = b[kGrad] + b[kDHidden];
+    const size_t tile = sm90::Partial::kFields * 4 * u(M);  // bytes of one tile's partials
+    const int64_t tiles =
+        std::max<int64_t>(1, static_cast<int64_t>(idle / std::max<size_t>(tile, 1)));
     p.stats_rows = M;
-    p.stats_cols = wide == V ? V : whole(wide, 128);
-    // The statistics GEMM's partial records (sm90/partials.h) where the fp32 logits would be.
-    const size_t tiles = u(sm90::stats_tiles(p.stats_cols)) * sm90::Partial::kFields * 4 * u(M);
-    const size_t need = std::max(col * u(p.stats_cols), tiles);
-    b[kLogits] = std::max(col, need - std::min(idle, need));
+    p.stats_cols = std::min<int64_t>(V, tiles * sm90::kStatsTileCols);
+    const size_t need = u(sm90::stats_tiles(p.stats_cols)) * tile;
+    b[kLogits] = std::max<size_t>(4 * u(M), need - std::min(idle, need));
   } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {
