@@ -273,7 +273,7 @@ class CudaLean final : public LeanSteps {
   const int G_;
   const int64_t N_, M_, H_, vc_;
   const bool f32_;
-  const bool epilogue_;  // the sweep's logits GEMM is sm90's (no fp32 logits in the sweep)
+  const bool epilogue_;  // both logits GEMMs are sm90's (no fp32 logits; forward: partials)
   bool stats_ = false;
   int64_t ld_ = 0;  // the logits' row stride in this phase
   const float* lse_in_;

@@ -146,7 +146,7 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   if (epi) {
     // Forward's chunks over every row: the statistics GEMM writes a partial record per row and
     // 256-column tile (sm90/partials.h), no logits, into kGrad and kDHidden (idle in forward: epi
-    // comes with gradients), as many tiles as they hold (the whole shard at 8192 rows: 98 MiB at
+    // comes with gradients), as many tiles as they hold (the whole shard at 8192 rows: 94 MiB at
     // 128256 columns), at least one (kLogits then holds the rest).
     const size_t idle = b[kGrad] + b[kDHidden];
     const size_t tile = sm90::Partial::kFields * 4 * u(M);  // bytes of one tile's partials

@@ -1,8 +1,8 @@
 // The statistics GEMM's partial records (stats_gemm.cu): each 256-column tile of the logits GEMM
 // leaves, for each of its rows, the statistics of its columns (core::LocalStats) as six floats,
-// field-major [tiles][kFields][ld]; merge_stats (kernels.cu) merges a row's tiles into its record,
-// as the statistics kernel makes it from fp32 logits. No CUTLASS here: the merge is built for
-// every architecture.
+// field-major [tiles][kFields][ld]; merge_stats (stats_gemm.cu) merges a row's tiles into its
+// record, as the statistics kernel makes it from fp32 logits. No CUTLASS here: the plan (host
+// code) sizes the partials from it.
 #pragma once
 
 #include <cstdint>

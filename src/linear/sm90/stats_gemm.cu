@@ -53,18 +53,27 @@ struct StatsVisit {
         const int64_t l = y - P.p.vocab_start;
         if (y != P.p.ignore_index && l >= 0 && l < real) tl = static_cast<int>(l);
       }
+      // The statistics kernel's plain pass (add_chunk): the max, then the sum of exp below it.
       core::LocalStats st;
       int nan = 0;
+      float cm = core::kNegInf;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kCols; ++j) {
         const int col = get<1>(crd(r, j));
         if (col >= real) continue;
         const float z = core::softcap(acc(r, j), k);
-        st.lse.add(z);
+        cm = fmaxf(cm, z);
         nan |= z != z;
         if (col == tl) st.target_z = z;
         if (want_sum) st.sum_z += z;
         if (want_max) st.best.add(z, P.p.vocab_start + col);
+      }
+      if (cm != core::kNegInf) {
+        float sum = 0.0f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kCols; ++j)
+          if (get<1>(crd(r, j)) < real) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
+        st.lse = core::LseAcc{cm, sum};
       }
       CUTLASS_PRAGMA_UNROLL
       for (int x = 1; x < 4; x *= 2) {
@@ -79,17 +88,26 @@ struct StatsVisit {
   }
 };
 
-// One thread a row: its tiles' partials merged in column order, then its record, and the report
-// of a target out of range (the statistics kernel's, RowTarget::write_record).
-__global__ void merge_kernel(const core::Problem p, const TargetsView targets,
-                             const float* partials, int64_t tiles, float* record, int64_t* error) {
-  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (row >= p.rows) return;
+// Blocks of 32 rows x 8 threads: thread y merges the tiles y, y + 8, ... of row x in order
+// (a warp reads 32 consecutive rows of one tile), then thread 0 of each row merges the 8 in order
+// and writes its record, and the report of a target out of range (RowTarget::write_record's).
+constexpr int kMergeRows = 32, kMergeSplit = 8;
+__global__ void __launch_bounds__(kMergeRows* kMergeSplit)
+    merge_kernel(const core::Problem p, const TargetsView targets, const float* partials,
+                 int64_t tiles, float* record, int64_t* error) {
+  __shared__ core::LocalStats part[kMergeSplit][kMergeRows];
+  const int64_t row = blockIdx.x * static_cast<int64_t>(kMergeRows) + threadIdx.x;
   core::LocalStats st;
-  for (int64_t t = 0; t < tiles; ++t) core::merge(st, read_partial(partials, p.rows, t, row));
+  if (row < p.rows)
+    for (int64_t t = threadIdx.y; t < tiles; t += kMergeSplit)
+      core::merge(st, read_partial(partials, p.rows, t, row));
+  part[threadIdx.y][threadIdx.x] = st;
+  __syncthreads();
+  if (threadIdx.y != 0 || row >= p.rows) return;
+  for (int y = 1; y < kMergeSplit; ++y) core::merge(st, part[y][threadIdx.x]);
   core::write_record(st, p.layout, record, p.rows, row);
-  const int64_t y = core::load_target(targets.data, targets.type, row);
-  if (y != p.ignore_index && !core::target_in_range(y, p.vocab_size) && error != nullptr)
+  const int64_t target = core::load_target(targets.data, targets.type, row);
+  if (target != p.ignore_index && !core::target_in_range(target, p.vocab_size) && error != nullptr)
     cuda::detail::report_bad_target(error, targets.data, targets.type, row);
 }
 
@@ -98,10 +116,10 @@ __global__ void merge_kernel(const core::Problem p, const TargetsView targets,
 void merge_stats(const core::Problem& pc, TargetsView targets, const float* partials, float* record,
                  int64_t* error, cudaStream_t stream) {
   if (pc.rows == 0) return;
-  constexpr int kThreads = 256;
   const int64_t tiles = stats_tiles(pc.real_cols);
-  merge_kernel<<<static_cast<unsigned>((pc.rows + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-      pc, targets, partials, tiles, record, error);
+  const unsigned blocks = static_cast<unsigned>((pc.rows + kMergeRows - 1) / kMergeRows);
+  merge_kernel<<<blocks, dim3(kMergeRows, kMergeSplit), 0, stream>>>(pc, targets, partials, tiles,
+                                                                     record, error);
   check_cuda(cudaGetLastError(), "xent statistics merge (sm90)");
 }
 
