@@ -33,12 +33,22 @@ struct StatsVisit {
     float* partials;  // [tiles][Partial::kFields][m]
   };
 
+  // The softcap is decided once a tile, so that the loops over the accumulators hold only the
+  // math of the case at hand (as the statistics kernel's kCap).
   template <class Acc, class Crd>
   static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int) {
+    if (P.p.softcap > 0.0f)
+      rows<true>(P, acc, crd, m);
+    else
+      rows<false>(P, acc, crd, m);
+  }
+
+  template <bool kCap, class Acc, class Crd>
+  static CUTLASS_DEVICE void rows(const Params& P, Acc& acc, Crd& crd, int m) {
     using namespace cute;
     constexpr int kRows = size<0>(Acc{}), kCols = size<1>(Acc{});
     static_assert(kCols * 4 == kStatsTileCols, "a quad holds a row's columns of the tile");
-    const core::CapScales k(P.p.softcap);
+    const core::CapScales k(kCap ? P.p.softcap : 0.0f);
     const int real = static_cast<int>(P.p.real_cols);
     const bool want_sum = P.p.layout.sum_field >= 0, want_max = P.p.layout.max_field >= 0;
     const int64_t t = get<1>(crd(0, 0)) / kStatsTileCols;
