@@ -48,10 +48,10 @@ struct StatsVisit {
     using namespace cute;
     constexpr int kRows = size<0>(Acc{}), kCols = size<1>(Acc{});
     static_assert(kCols * 4 == kStatsTileCols, "a quad holds a row's columns of the tile");
-    const core::CapScales k(kCap ? P.p.softcap : 0.0f);
     const int real = static_cast<int>(P.p.real_cols);
-    const bool want_sum = P.p.layout.sum_field >= 0, want_max = P.p.layout.max_field >= 0;
     const int64_t t = get<1>(crd(0, 0)) / kStatsTileCols;
+    const bool plain =
+        (t + 1) * kStatsTileCols <= real && P.p.layout.sum_field < 0 && P.p.layout.max_field < 0;
     const int lane = threadIdx.x % 32;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
@@ -63,28 +63,12 @@ struct StatsVisit {
         const int64_t l = y - P.p.vocab_start;
         if (y != P.p.ignore_index && l >= 0 && l < real) tl = static_cast<int>(l);
       }
-      // The statistics kernel's plain pass (add_chunk): the max, then the sum of exp below it.
       core::LocalStats st;
       int nan = 0;
-      float cm = core::kNegInf;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) {
-        const int col = get<1>(crd(r, j));
-        if (col >= real) continue;
-        const float z = core::softcap(acc(r, j), k);
-        cm = fmaxf(cm, z);
-        nan |= z != z;
-        if (col == tl) st.target_z = z;
-        if (want_sum) st.sum_z += z;
-        if (want_max) st.best.add(z, P.p.vocab_start + col);
-      }
-      if (cm != core::kNegInf) {
-        float sum = 0.0f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kCols; ++j)
-          if (get<1>(crd(r, j)) < real) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
-        st.lse = core::LseAcc{cm, sum};
-      }
+      if (plain)
+        columns<kCap, true>(P, acc, crd, r, tl, st, nan);
+      else
+        columns<kCap, false>(P, acc, crd, r, tl, st, nan);
       CUTLASS_PRAGMA_UNROLL
       for (int x = 1; x < 4; x *= 2) {
         core::merge(st, from_lane(st, x));
@@ -95,6 +79,38 @@ struct StatsVisit {
       if (nan) st.lse = core::LseAcc{0.0f, __int_as_float(0x7fc00000)};
       if (in && lane % 4 == 0) write_partial(st, P.partials, m, t, row);
     }
+  }
+
+  // Row r's columns of the tile in this thread, as the statistics kernel's plain pass (add_chunk)
+  // adds them: the max, then the sum of exp below it. kPlain: every column real and neither the
+  // sum nor the argmax wanted (most tiles), so no test per column.
+  template <bool kCap, bool kPlain, class Acc, class Crd>
+  static CUTLASS_DEVICE void columns(const Params& P, Acc& acc, Crd& crd, int r, int tl,
+                                     core::LocalStats& st, int& nan) {
+    using namespace cute;
+    constexpr int kCols = size<1>(Acc{});
+    const core::CapScales k(kCap ? P.p.softcap : 0.0f);
+    const int real = static_cast<int>(P.p.real_cols);
+    const bool want_sum = !kPlain && P.p.layout.sum_field >= 0;
+    const bool want_max = !kPlain && P.p.layout.max_field >= 0;
+    float cm = core::kNegInf;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j) {
+      const int col = get<1>(crd(r, j));
+      if (!kPlain && col >= real) continue;
+      const float z = core::softcap(acc(r, j), k);
+      cm = fmaxf(cm, z);
+      nan |= z != z;
+      if (col == tl) st.target_z = z;
+      if (want_sum) st.sum_z += z;
+      if (want_max) st.best.add(z, P.p.vocab_start + col);
+    }
+    if (cm == core::kNegInf) return;
+    float sum = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j)
+      if (kPlain || get<1>(crd(r, j)) < real) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
+    st.lse = core::LseAcc{cm, sum};
   }
 };
 
