@@ -9,6 +9,7 @@
 #include <string>
 
 #include "linear/plan.h"
+#include "linear/sm90/partials.h"
 
 namespace {
 
@@ -211,7 +212,7 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
     EXPECT_LE(p.total, p.info.budget);
     EXPECT_EQ(p.info.chunk_rows, s.rows_all());
     EXPECT_EQ(p.stats_rows, s.rows_all());
-    EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's fp32 logits in the sweep's buffers";
+    EXPECT_GE(p.stats_cols, p.info.chunk_cols) << "forward's partials in the sweep's buffers";
     EXPECT_GE(p.info.chunk_cols, cublaslt.info.chunk_cols) << "the fp32 block's bytes freed";
     EXPECT_EQ(p.info.chunk_cols % xent::linear::kEpilogueCols, 0)
         << "no chunk ends inside the gradient GEMM's tiles";
@@ -228,6 +229,34 @@ TEST(LinearPlan, EpilogueEngineTakesLeanWithoutFp32Logits) {
     fast.max_scratch_bytes = size_t(8) << 30;
     EXPECT_EQ(make_plan(s, fast).info.gemm, xent::LinearGemm::cublaslt);
   }
+}
+
+// The statistics GEMM writes a partial record per row and 256-column tile, no logits: the
+// buffers hold them at a few columns too (d_weight alone: no d_hidden accumulator to borrow), and
+// the whole shard's at once at 8192 rows.
+TEST(LinearPlan, EpilogueForwardHoldsThePartials) {
+  for (int64_t widest : {1, 5, 200, 300, 128256})
+    for (bool dh : {true, false}) {
+      SCOPED_TRACE("widest " + std::to_string(widest) + (dh ? "" : ", d_weight alone"));
+      Shape s = step(1, widest, 1000, 64);
+      s.epilogue = true;
+      s.d_hidden = dh;
+      LinearOptions lopt;
+      lopt.gemm = xent::LinearGemm::epilogue;
+      const Plan p = make_plan(s, lopt);
+      ASSERT_EQ(p.info.gemm, xent::LinearGemm::epilogue);
+      using xent::linear::kDHidden, xent::linear::kGrad, xent::linear::kLogits;
+      namespace sm90 = xent::linear::sm90;
+      const size_t region = p.bytes[kLogits] + p.bytes[kGrad] + p.bytes[kDHidden];
+      EXPECT_GE(region,
+                size_t(sm90::stats_tiles(p.stats_cols)) * sm90::Partial::kFields * 4 * 1000);
+      EXPECT_LE(p.total, p.info.budget);
+    }
+  Shape s = step(1, 128256);  // 8192 rows, hidden 4096: the whole shard's partials, 94 MiB
+  s.epilogue = true;
+  const Plan p = make_plan(s, LinearOptions{});
+  EXPECT_EQ(p.stats_cols, 128256);
+  EXPECT_EQ(p.stats_chunks, 1);
 }
 
 // gemm = epilogue with automatic schedule takes lean even where the budget holds fast; with

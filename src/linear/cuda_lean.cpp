@@ -2,8 +2,9 @@
 // the logits path's own kernels (cuda::stats, cuda::finalize, cuda::gradient) on each block of
 // fp32 logits, the gradient of a chunk in the inputs' dtype for the two GEMMs that consume it (as
 // the unfused path's), and d_hidden's sum over the ranks (device::sum_over_ranks, sums.cpp).
-// On the epilogue engine (plan: LinearGemm::epilogue) the sweep's logits GEMM is sm90's, and
-// writes the chunk's 16-bit gradient itself over every row: the sweep's fp32 logits never exist.
+// On the epilogue engine (plan: LinearGemm::epilogue) both logits GEMMs are sm90's: forward's
+// writes each tile's statistics (merged into the chunk's records), the sweep's the chunk's 16-bit
+// gradient over every row: no fp32 logits exist.
 // Every step on the call's stream; the scratch is the call's (scratch.h).
 #include <algorithm>
 
@@ -87,11 +88,15 @@ class CudaLean final : public LeanSteps {
 
   void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
     const device::Operand a = rows_of(h_, r0);
-    if (epilogue_ && !stats_) {  // the gradient straight from the accumulators
+    if (epilogue_) {
       const device::Operand w = weight_rows(v0);
       const sm90::Operands g{a.data, a.ld, w.data, w.ld, rows, cols, H_};
-      sm90::gradient_gemm(g, chunk_problem(rows, v0, cols), targets_from(r0, rows), lse_ + r0,
-                          ws_.scalars, row_go(r0), grad_rows(r0), vc_, stream_);
+      if (stats_)  // the statistics straight from the accumulators (every row: stats_rows = M)
+        sm90::stats_gemm(g, chunk_problem(rows, v0, cols), targets_from(r0, rows), logits_,
+                         stream_);
+      else  // the gradient straight from the accumulators
+        sm90::gradient_gemm(g, chunk_problem(rows, v0, cols), targets_from(r0, rows), lse_ + r0,
+                            ws_.scalars, row_go(r0), grad_rows(r0), vc_, stream_);
       return;
     }
     state_.gemm.run(false, true, rows, cols, H_, a, weight_rows(v0), 0.0f, block(r0), DType::f32,
@@ -104,7 +109,10 @@ class CudaLean final : public LeanSteps {
     const int fields = call_.p.layout.fields;
     float* records = scratch_.get<float>(kSend) + c * fields * M_;
     float* record = rows == M_ ? records : scratch_.get<float>(kBlockRecord);
-    cuda::stats(pc, lv, targets_from(r0, rows), record, ws_.error, stream_);
+    if (epilogue_)  // the statistics GEMM's partials, at logits_
+      sm90::merge_stats(pc, targets_from(r0, rows), logits_, record, ws_.error, stream_);
+    else
+      cuda::stats(pc, lv, targets_from(r0, rows), record, ws_.error, stream_);
     if (record != records)  // field-major [fields][rows] into [fields][M] at row r0
       check_cuda(cudaMemcpy2DAsync(records + r0, sizeof(float) * M_, record, sizeof(float) * rows,
                                    sizeof(float) * rows, fields, cudaMemcpyDeviceToDevice, stream_),
@@ -265,7 +273,7 @@ class CudaLean final : public LeanSteps {
   const int G_;
   const int64_t N_, M_, H_, vc_;
   const bool f32_;
-  const bool epilogue_;  // the sweep's logits GEMM is sm90's (no fp32 logits in the sweep)
+  const bool epilogue_;  // both logits GEMMs are sm90's (no fp32 logits; forward: partials)
   bool stats_ = false;
   int64_t ld_ = 0;  // the logits' row stride in this phase
   const float* lse_in_;

@@ -49,6 +49,12 @@ void gradient_gemm(const Operands&, const core::Problem&, TargetsView, const flo
                    const float*, void*, int64_t, cudaStream_t) {
   fail("the gradient GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0, 0));
 }
+void stats_gemm(const Operands&, const core::Problem&, TargetsView, float*, cudaStream_t) {
+  fail("the statistics GEMM (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0, 0));
+}
+void merge_stats(const core::Problem&, TargetsView, const float*, float*, int64_t*, cudaStream_t) {
+  fail("the statistics merge (sm90): " + why_not(DType::bf16, nullptr, 0, nullptr, 0, 0));
+}
 #endif
 
 }  // namespace xent::linear::sm90

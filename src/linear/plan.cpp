@@ -5,6 +5,7 @@
 #include <string>
 
 #include "error.h"
+#include "linear/sm90/partials.h"
 
 namespace xent {
 
@@ -143,14 +144,18 @@ Plan lean_layout(const Shape& s, int64_t rb, int64_t vc, bool epi) {
   p.stats_cols = vc;
   const size_t region = b[kLogits] + b[kGrad] + b[kDHidden];
   if (epi) {
-    // Forward's fp32 logits over every row, as wide as kGrad and kDHidden (idle in forward: epi
-    // comes with gradients) hold; kLogits holds at least one column.
-    const size_t idle = b[kGrad] + b[kDHidden], col = 4 * u(M);
-    const int64_t wide = std::max<int64_t>(
-        1, std::min<int64_t>(V, static_cast<int64_t>(idle / std::max<size_t>(col, 1))));
+    // Forward's chunks over every row: the statistics GEMM writes a partial record per row and
+    // 256-column tile (sm90/partials.h), no logits, into kGrad and kDHidden (idle in forward: epi
+    // comes with gradients), as many tiles as they hold (the whole shard at 8192 rows: 94 MiB at
+    // 128256 columns), at least one (kLogits then holds the rest).
+    const size_t idle = b[kGrad] + b[kDHidden];
+    const size_t tile = sm90::Partial::kFields * 4 * u(M);  // bytes of one tile's partials
+    const int64_t tiles =
+        std::max<int64_t>(1, static_cast<int64_t>(idle / std::max<size_t>(tile, 1)));
     p.stats_rows = M;
-    p.stats_cols = wide == V ? V : whole(wide, 128);
-    b[kLogits] = std::max(col, col * u(p.stats_cols) - std::min(idle, col * u(p.stats_cols)));
+    p.stats_cols = std::min<int64_t>(V, tiles * sm90::kStatsTileCols);
+    const size_t need = u(sm90::stats_tiles(p.stats_cols)) * tile;
+    b[kLogits] = std::max<size_t>(4 * u(M), need - std::min(idle, need));
   } else if (s.backend == Backend::cuda && M > 0) {
     const int64_t wide = std::min<int64_t>(V, static_cast<int64_t>(region / (4 * u(M))));
     if (wide >= vc) {

@@ -68,7 +68,8 @@ struct Plan {
 
   // lean's forward (statistics only): blocks of stats_rows rows of stats_cols columns, in
   // stats_chunks chunks of the vocabulary; on CUDA as wide as kLogits, kGrad and kDHidden hold
-  // together for every row, else the sweep's chunks.
+  // together for every row (fp32 logits; on the epilogue engine the statistics GEMM's partials),
+  // else the sweep's chunks.
   int64_t stats_rows = 0, stats_cols = 0, stats_chunks = 0;
   int64_t ranks_in_chunk = 1;  // ranks whose rows a chunk holds (SP: all, else 1)
   // fast: this rank's first row of `chunk` and how many it holds of `total` rows.

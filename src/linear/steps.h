@@ -18,7 +18,9 @@ class LeanSteps {
   // Forward's statistics (stats: their chunks of plan.h's stats_cols columns, their buffer over
   // the sweep's), then the sweep's chunks (the rest of the steps).
   virtual void phase(bool stats) = 0;
-  // fp32 logits of rows [r0, r0 + rows) and columns [v0, v0 + cols) (cols >= 1).
+  // fp32 logits of rows [r0, r0 + rows) and columns [v0, v0 + cols) (cols >= 1); on the epilogue
+  // engine, straight from the GEMM's accumulators, their statistics' partials (forward) or their
+  // 16-bit gradient (the sweep) instead.
   virtual void logits(int64_t r0, int64_t rows, int64_t v0, int64_t cols) = 0;
   // Their statistics into chunk c's records (cols 0: a chunk past this rank's real columns,
   // whose records say "nothing here").
