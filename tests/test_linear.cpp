@@ -263,9 +263,10 @@ TEST_F(Linear, Softcap) {
 // Chunks of several of the epilogue engine's 256-column tiles: whole tiles (every column real and
 // inside the chunk) and ragged ones, rows not a multiple of its 128 and some without a gradient,
 // with and without a softcap, the sum and argmax wanted or not, an even and an odd row stride of
-// the chunk's gradient: each path of its gradient epilogue (sm90/grad_gemm.cu; lean's chunks end
-// at the last real column, so no padding reaches it), and on every other engine and backend the
-// same cases, the weight's padding rows included, against the reference.
+// the chunk's gradient: each path of its epilogues (sm90/grad_gemm.cu, and stats_gemm.cu for the
+// forward's statistics; lean's chunks end at the last real column, so no padding reaches the
+// gradient's), and on every other engine and backend the same cases, the weight's padding rows
+// included, against the reference.
 TEST_F(Linear, WholeAndRaggedTiles) {
   const xent::Group g = local();
   for (int64_t cols : {600, 601}) {

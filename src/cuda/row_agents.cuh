@@ -355,7 +355,7 @@ struct GradAgent {
   }
 
   __device__ __forceinline__ typename EO::type operator()(T v, int col) const {
-    const float g = value(v, col);      // computed for every column, then selected:
+    const float g = value(v, col);          // computed for every column, then selected:
     return EO::store(col < rc ? g : 0.0f);  // a select, not a branch: padding columns give 0
   }
   // The same for a column known to be real (col < rc), without the select.
