@@ -362,6 +362,11 @@ struct GradAgent {
   __device__ __forceinline__ typename EO::type real(T v, int col) const {
     return EO::store(value(v, col));
   }
+  // The same for a column known to be real and not the target's, without a test.
+  __device__ __forceinline__ typename EO::type off_target(T v) const {
+    const core::CappedLogit z = core::cap_logit(E::load(v), k);
+    return EO::store(core::grad_x(z.z, z.slope, false, c));
+  }
   __device__ __forceinline__ float value(T v, int col) const {
     const core::CappedLogit z = core::cap_logit(E::load(v), k);
     return core::grad_x(z.z, z.slope, col == tl, c);

@@ -56,6 +56,16 @@ struct GradVisit {
       const cuda::detail::GradAgent<F32, kCap, BF16> grad(P.p, y, P.lse[row],
                                                           P.scalars[Workspace::kScale] * f.factor);
       __nv_bfloat16* out = P.grad + row * P.ldg;
+      // Most rows' targets lie outside the tile: their columns need no test for it either.
+      if (whole && has && (grad.tl < tile_end - kTileCols || grad.tl >= tile_end)) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(acc); j += 2) {
+          const int col = get<1>(crd(r, j));
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __halves2bfloat162(grad.off_target(acc(r, j)), grad.off_target(acc(r, j + 1)));
+        }
+        continue;
+      }
       if (whole && has) {
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(acc); j += 2) {

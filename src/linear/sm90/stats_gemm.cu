@@ -65,7 +65,10 @@ struct StatsVisit {
       }
       core::LocalStats st;
       int nan = 0;
-      if (plain)
+      const bool target_in_tile = tl >= t * kStatsTileCols && tl < (t + 1) * kStatsTileCols;
+      if (plain && !target_in_tile)
+        max_and_sum<kCap>(P, acc, r, st, nan);
+      else if (plain)
         columns<kCap, true>(P, acc, crd, r, tl, st, nan);
       else
         columns<kCap, false>(P, acc, crd, r, tl, st, nan);
@@ -78,6 +81,34 @@ struct StatsVisit {
       // -inf would otherwise keep the other side's sum).
       if (nan) st.lse = core::LseAcc{0.0f, __int_as_float(0x7fc00000)};
       if (in && lane % 4 == 0) write_partial(st, P.partials, m, t, row);
+    }
+  }
+
+  // Row r's columns of a plain tile (see columns) that does not hold the row's target (almost
+  // every row of every tile): the max and the sum of exp below it, as columns makes them, with
+  // nothing else per column. A NaN logit makes the sum NaN (fmaxf passes over it), so the columns
+  // are tested for one only where the sum is NaN or the max -inf (rare).
+  template <bool kCap, class Acc>
+  static CUTLASS_DEVICE void max_and_sum(const Params& P, Acc& acc, int r, core::LocalStats& st,
+                                         int& nan) {
+    using namespace cute;
+    constexpr int kCols = size<1>(Acc{});
+    const core::CapScales k(kCap ? P.p.softcap : 0.0f);
+    float cm = core::kNegInf;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kCols; ++j) cm = fmaxf(cm, core::softcap(acc(r, j), k));
+    float sum = 0.0f;
+    if (cm != core::kNegInf) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
+      st.lse = core::LseAcc{cm, sum};
+    }
+    if (cm == core::kNegInf || sum != sum) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const float z = core::softcap(acc(r, j), k);
+        nan |= z != z;
+      }
     }
   }
 
