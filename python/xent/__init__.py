@@ -227,7 +227,8 @@ def linear_cross_entropy_plan(hidden, weight, target, group=None, *, sequence_pa
     and target [rows]), computing nothing: a dict of schedule ("fast" or "lean"), budget (bytes),
     scratch_bytes (what the call allocates beyond its inputs and outputs, at most the budget),
     chunk_rows, chunk_cols, chunks and gemm, the engine of the logits GEMMs ("cublaslt", or
-    "epilogue": the lean sweep's gradient from the accumulators of xent's own sm_90a GEMM)
+    "epilogue": the forward's statistics and the lean sweep's gradient from the accumulators of
+    xent's own sm_90a GEMMs)
     (docs/linear.md, "Schedules and the budget", "GEMM engines"). A collective
     as the call is: every rank of `group` calls it alike. The plan of grad_mode "fused" is the
     forward's that computes the gradients; "none" the statistics' alone."""
