@@ -231,6 +231,16 @@ struct LinearGot {
   xent::LinearPlan plan;                  // forward's
 };
 
+// XENT_TEST_BACKEND=cuda (ctest linear_cuda): the linear suites' cases on one GPU, buffers staged
+// on the device by run_linear; skipped where there is no GPU.
+inline bool on_cuda() {
+  const char* b = std::getenv("XENT_TEST_BACKEND");
+  return b != nullptr && std::string(b) == "cuda";
+}
+inline xent::Group local() {
+  return xent::Group::local(on_cuda() ? xent::Backend::cuda : xent::Backend::cpu);
+}
+
 // XENT_TEST_LINEAR_SCHEDULE=fast or lean (ctest runs the linear suites under both): the schedule
 // every case takes where it asks for none (automatic), so that each case checks both. Under lean
 // a case that sets no chunk_cols takes chunks of 7 columns, or a sixth of the widest shard where
