@@ -362,7 +362,10 @@ struct GradAgent {
   __device__ __forceinline__ typename EO::type real(T v, int col) const {
     return EO::store(value(v, col));
   }
-  // The same for a column known to be real and not the target's, without a test.
+  // The same for a column known to be real and not the target's, without a test. It spells out
+  // value's two lines rather than calling value(v, false)-style helpers: routing operator() through
+  // such a helper changed the logits path's SASS (stop 55, cuobjdump), and this leaves it as it
+  // was.
   __device__ __forceinline__ typename EO::type off_target(T v) const {
     const core::CappedLogit z = core::cap_logit(E::load(v), k);
     return EO::store(core::grad_x(z.z, z.slope, false, c));
