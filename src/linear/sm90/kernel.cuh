@@ -37,8 +37,9 @@ CUTE_HOST_DEVICE auto rows_cols(Layout l) {
                      make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 
-// An epilogue in CUTLASS's DefaultEpilogue's shape: no shared memory, no source C; Visit::tile
-// gets the accumulators and their coordinates in the problem as (rows, columns) views.
+// An epilogue in CUTLASS's DefaultEpilogue's shape, no source C: Visit::tile gets the accumulators
+// and their coordinates in the problem as (rows, columns) views, and Visit::SharedStorage (its
+// own, carved out of the main loop's stages).
 template <class Visit>
 struct RegisterEpilogue {
   using EpilogueSchedule = cutlass::epilogue::NoSmemWarpSpecialized;
@@ -49,7 +50,7 @@ struct RegisterEpilogue {
   using StrideD = StrideC;
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
-  struct SharedStorage {};
+  using SharedStorage = typename Visit::SharedStorage;
   using TensorStorage = SharedStorage;
   using Arguments = typename Visit::Params;
   using Params = Arguments;
@@ -82,7 +83,7 @@ struct RegisterEpilogue {
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK blk_shape,
                                  BlockCoordMNKL blk_coord,
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators,
-                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char* smem) {
     using namespace cute;
     const int m = get<0>(problem), n = get<1>(problem);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
@@ -94,16 +95,34 @@ struct RegisterEpilogue {
     CUTE_STATIC_ASSERT_V(size(thread_coords) == size(accumulators));
     Tensor acc = make_tensor(accumulators.data(), rows_cols(accumulators.layout()));
     Tensor crd = make_tensor(thread_coords.data(), rows_cols(thread_coords.layout()));
-    Visit::tile(params, acc, crd, m, n);
+    Visit::tile(params, acc, crd, m, n, thread_idx, reinterpret_cast<SharedStorage&>(*smem));
   }
 
   Params params;
 };
 
+// CUTLASS's adapter of operator-style epilogues to its warp-specialized kernels, whose tail (once a
+// consumer thread's last tile is done) calls Visit::finish: asynchronous copies out of shared
+// memory must have read it before the block exits.
+template <class Visit>
+struct AdaptedEpilogue : cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+                             RegisterEpilogue<Visit>> {
+  using Base =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RegisterEpilogue<Visit>>;
+  using Base::Base;
+
+  CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline load_pipeline,
+                                 typename Base::LoadPipelineState load_state,
+                                 typename Base::StorePipeline store_pipeline,
+                                 typename Base::StorePipelineState store_state) {
+    Visit::finish();
+    return Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
+  }
+};
+
 template <class Visit>
 struct EpilogueKernel {
-  using Epilogue =
-      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<RegisterEpilogue<Visit>>;
+  using Epilogue = AdaptedEpilogue<Visit>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::bfloat16_t,
       cutlass::layout::RowMajor, 8, cutlass::bfloat16_t, cutlass::layout::ColumnMajor, 8, float,

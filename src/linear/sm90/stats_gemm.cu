@@ -32,16 +32,19 @@ struct StatsVisit {
     TargetsView targets;
     float* partials;  // [tiles][Partial::kFields][m]
   };
+  struct SharedStorage {};
 
   // The softcap is decided once a tile, so that the loops over the accumulators hold only the
   // math of the case at hand (as the statistics kernel's kCap).
   template <class Acc, class Crd>
-  static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int) {
+  static CUTLASS_DEVICE void tile(const Params& P, Acc& acc, Crd& crd, int m, int, int,
+                                  SharedStorage&) {
     if (P.p.softcap > 0.0f)
       rows<true>(P, acc, crd, m);
     else
       rows<false>(P, acc, crd, m);
   }
+  static CUTLASS_DEVICE void finish() {}
 
   template <bool kCap, class Acc, class Crd>
   static CUTLASS_DEVICE void rows(const Params& P, Acc& acc, Crd& crd, int m) {
