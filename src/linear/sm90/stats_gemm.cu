@@ -102,8 +102,7 @@ struct StatsVisit {
     for (int j = 0; j < kCols; ++j) cm = fmaxf(cm, core::softcap(acc(r, j), k));
     float sum = 0.0f;
     if (cm != core::kNegInf) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kCols; ++j) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
+      sum = sum_below(acc, r, k, cm, [](int) { return true; });
       st.lse = core::LseAcc{cm, sum};
     }
     if (cm == core::kNegInf || sum != sum) {
@@ -140,11 +139,21 @@ struct StatsVisit {
       if (want_max) st.best.add(z, P.p.vocab_start + col);
     }
     if (cm == core::kNegInf) return;
+    const float sum =
+        sum_below(acc, r, k, cm, [&](int j) { return kPlain || get<1>(crd(r, j)) < real; });
+    st.lse = core::LseAcc{cm, sum};
+  }
+
+  // The sum of exp(z - cm) over row r's columns j in this thread for which keep(j), in column
+  // order: one loop for both paths, so that their sums agree to the bit.
+  template <class Acc, class Keep>
+  static CUTLASS_DEVICE float sum_below(Acc& acc, int r, const core::CapScales& k, float cm,
+                                        Keep keep) {
     float sum = 0.0f;
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kCols; ++j)
-      if (kPlain || get<1>(crd(r, j)) < real) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
-    st.lse = core::LseAcc{cm, sum};
+    for (int j = 0; j < cute::size<1>(Acc{}); ++j)
+      if (keep(j)) sum += core::exp_f(core::softcap(acc(r, j), k) - cm);
+    return sum;
   }
 };
 
