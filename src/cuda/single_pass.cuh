@@ -13,7 +13,6 @@
 // (cuda/exchange.cuh).
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +23,7 @@
 #include "backend.h"
 #include "core/dtype.h"
 #include "core/record.h"
+#include "cuda/cluster.cuh"
 #include "cuda/exchange.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/row_agents.cuh"
@@ -49,74 +49,6 @@ struct Shape {
   static constexpr size_t kSmemBytes = static_cast<size_t>(Threads) * SmemPacks * 16;
   static constexpr int64_t kRowPacks = static_cast<int64_t>(kBlockPacks) * Blocks;
 };
-// cp.async: a 16-byte copy from global to shared memory that needs no register (sm_80 on; shapes
-// with shared-memory packs run on sm_90 only, see single_pass_fits).
-__device__ __forceinline__ void copy_async_16(uint4* to, const uint4* from) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                   static_cast<unsigned>(__cvta_generic_to_shared(to))),
-               "l"(from));
-#else
-  *to = *from;
-#endif
-}
-__device__ __forceinline__ void wait_async_copies() {  // this thread's own
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-// A cluster's calls, from sm_90 on (single_pass_fits picks no cluster shape below it; the
-// fallbacks only keep other architectures compiling).
-__device__ __forceinline__ int cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
-#else
-  return 0;
-#endif
-}
-__device__ __forceinline__ void cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  cooperative_groups::this_cluster().sync();
-#else
-  __syncthreads();
-#endif
-}
-template <typename V>
-__device__ __forceinline__ const V& in_block(const V& v, int rank) {  // v in block `rank`'s smem
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return *cooperative_groups::this_cluster().map_shared_rank(&v, rank);
-#else
-  return v;
-#endif
-}
-
-template <typename V>
-__device__ __forceinline__ V* to_block(V& v, int rank) {  // v in block `rank`'s smem, to write
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(&v, rank);
-#else
-  return &v;
-#endif
-}
-
-// A barrier for every thread of a cluster of kBlocks (1: this block's, no cluster call).
-template <int kBlocks>
-__device__ __forceinline__ void sync_cluster() {
-  if constexpr (kBlocks > 1)
-    cluster_sync();
-  else
-    __syncthreads();
-}
-
-// v = value in every block of a cluster of kBlocks (1: in this block, no cluster call).
-template <int kBlocks, typename V>
-__device__ __forceinline__ void set_in_cluster(V& v, const V value) {
-  if constexpr (kBlocks > 1)
-    for (int b = 0; b < kBlocks; ++b) *to_block(v, b) = value;
-  else
-    v = value;
-}
-
 // kN gradient elements of type O as one store: 16 bytes where the gradient has the logits' dtype,
 // 8 where fp32 logits (4 to a pack) give a 16-bit gradient (the fused lm head's sub-chunks).
 template <typename O, int kN>
