@@ -1,5 +1,6 @@
 #include "linear/blas.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <string>
@@ -53,18 +54,25 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const fl
 }
 
 void sgemm_nt_row_invariant(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                            const float* b, int64_t ldb, float* c, int64_t ldc, float* pad_a,
-                            float* pad_c) {
-  const int64_t whole = m / kRowBlock * kRowBlock;
-  for (int64_t r = 0; r < whole; r += kRowBlock)
-    sgemm(false, true, kRowBlock, n, k, a + r * lda, lda, b, ldb, 0.0f, c + r * ldc, ldc);
-  const int64_t tail = m - whole;
-  if (tail == 0 || n == 0) return;
-  for (int64_t i = 0; i < kRowBlock; ++i)
-    for (int64_t j = 0; j < k; ++j) pad_a[i * k + j] = i < tail ? a[(whole + i) * lda + j] : 0.0f;
-  sgemm(false, true, kRowBlock, n, k, pad_a, k, b, ldb, 0.0f, pad_c, n);
-  for (int64_t i = 0; i < tail; ++i)
-    std::memcpy(c + (whole + i) * ldc, pad_c + i * n, sizeof(float) * static_cast<size_t>(n));
+                            const float* b, int64_t ldb, float* c, int64_t ldc, int64_t first,
+                            float* pad_a, float* pad_c) {
+  if (m == 0 || n == 0) return;
+  // Blocks of kRowBlock positions, position first % kRowBlock holding row 0.
+  for (int64_t start = -(first % kRowBlock); start < m; start += kRowBlock) {
+    if (start >= 0 && start + kRowBlock <= m) {
+      sgemm(false, true, kRowBlock, n, k, a + start * lda, lda, b, ldb, 0.0f, c + start * ldc, ldc);
+      continue;
+    }
+    const int64_t lo = std::max<int64_t>(start, 0), hi = std::min(start + kRowBlock, m);
+    for (int64_t i = 0; i < kRowBlock; ++i) {
+      const int64_t row = start + i;
+      for (int64_t j = 0; j < k; ++j)
+        pad_a[i * k + j] = row >= lo && row < hi ? a[row * lda + j] : 0.0f;
+    }
+    sgemm(false, true, kRowBlock, n, k, pad_a, k, b, ldb, 0.0f, pad_c, n);
+    for (int64_t row = lo; row < hi; ++row)
+      std::memcpy(c + row * ldc, pad_c + (row - start) * n, sizeof(float) * static_cast<size_t>(n));
+  }
 }
 
 void to_f32(MatrixView v, int64_t r0, int64_t rows, float* dst) {

@@ -18,16 +18,19 @@ void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const fl
 // The rows of each BLAS call of sgemm_nt_row_invariant.
 constexpr int64_t kRowBlock = 128;
 
-// C = A B^T (beta 0), A [m, k], B [n, k], C [m, n], each row of C the same bits whatever m: the
-// BLAS is called on blocks of exactly kRowBlock rows, the last padded with zero rows (scratch in
-// pad_a, kRowBlock x k, and pad_c, kRowBlock x n). A BLAS chooses its kernels by shape, and
-// OpenBLAS's sum the rows past a whole number of its kernel's rows in another order (its generic
-// x86 kernels, which it uses on CPUs it does not recognise: the last m % 4 rows), so a chunk's
-// logits would depend on the chunk's size. Calls of one shape put each row through the same
-// kernel: the logits, and so the loss, do not depend on the chunking.
+// C = A B^T (beta 0), A [m, k], B [n, k], C [m, n], each row of C the same bits whatever the
+// rows around it: the BLAS is called on blocks of exactly kRowBlock rows, and row i of A always at
+// position (first + i) % kRowBlock of its block (the other positions of a partial block zero rows:
+// scratch in pad_a, kRowBlock x k, and pad_c, kRowBlock x n). A BLAS chooses its kernels by shape,
+// and within one shape a row's bits may depend on its position: OpenBLAS's generic x86 kernels sum
+// the rows past a whole number of their kernel's rows in another order, and its Haswell kernel
+// (also taken on AMD Zen) gives 80 of a block's 128 positions other bits than position 0 (0.3.21,
+// an AMD EPYC). With `first` the row's index in the call's whole batch, a row goes through the
+// same kernel at the same position whatever the chunking: the logits, and so the loss, do not
+// depend on it.
 void sgemm_nt_row_invariant(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                            const float* b, int64_t ldb, float* c, int64_t ldc, float* pad_a,
-                            float* pad_c);
+                            const float* b, int64_t ldb, float* c, int64_t ldc, int64_t first,
+                            float* pad_a, float* pad_c);
 
 // Rows [r0, r0 + rows) of v widened to fp32 into dst (rows x v.cols, contiguous).
 void to_f32(MatrixView v, int64_t r0, int64_t rows, float* dst);

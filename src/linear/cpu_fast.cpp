@@ -64,6 +64,7 @@ class CpuFast final : public FastSteps {
   // The chunk's hidden rows in fp32 (h_, ldh_), its targets (tv_), its logits buffer, and in
   // backward its rows' lse and per-row grad_output.
   void rows(int64_t r0, int64_t c) override {
+    r0_ = r0;
     c_ = c;
     m_ = c * plan_.ranks_in_chunk;
     logits_ = scratch_.get<float>(kLogits);
@@ -90,10 +91,12 @@ class CpuFast final : public FastSteps {
       go_ = mine_to_chunk(go_in_, r0, c, per_row(3));
   }
 
+  // Every rank's rows of the chunk (one call each: each rank's row r0 + i keeps its position i).
   void logits(int64_t, int64_t) override {
     float* pad = scratch_.get<float>(kPad);
-    host::sgemm_nt_row_invariant(m_, real_, H_, h_, ldh_, w_, ldw_, logits_, V_, pad,
-                                 pad + host::kRowBlock * H_);
+    for (int64_t k = 0; k < plan_.ranks_in_chunk; ++k)
+      host::sgemm_nt_row_invariant(c_, real_, H_, h_ + k * c_ * ldh_, ldh_, w_, ldw_,
+                                   logits_ + k * c_ * V_, V_, r0_, pad, pad + host::kRowBlock * H_);
   }
 
   // Statistics, exchange and finalize of the chunk; each rank's rows into its own totals, in
@@ -225,7 +228,7 @@ class CpuFast final : public FastSteps {
   const int64_t H_, V_, real_;
   const float* lse_in_;
   const float* go_in_;
-  int64_t c_ = 0, m_ = 0;  // the chunk's rows: this rank's, and all of them
+  int64_t r0_ = 0, c_ = 0, m_ = 0;  // the chunk's first row, its rows: this rank's, and all
   const float* lse_ = nullptr;
   const float* go_ = nullptr;
   const float* w_ = nullptr;

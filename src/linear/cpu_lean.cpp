@@ -68,7 +68,7 @@ class CpuLean final : public LeanSteps {
     weight_rows(v0, cols);
     float* pad = scratch_.get<float>(kPad);
     host::sgemm_nt_row_invariant(rows, cols, H_, h_ + r0 * H_, H_, w_, ldw_, logits_ + r0 * vc_,
-                                 vc_, pad, pad + host::kRowBlock * H_);
+                                 vc_, r0, pad, pad + host::kRowBlock * H_);
   }
 
   void stats(int64_t c, int64_t r0, int64_t rows, int64_t v0, int64_t cols) override {
