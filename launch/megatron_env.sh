@@ -21,8 +21,8 @@
 #     what changed); CUDA architectures $XENT_PIP_CUDA_ARCH (ctest sets its build's), else
 #     $XENT_CUDA_ARCH, else the GPU's, else 90.
 #  4. pytest in that environment, from the repository root: by default tests/python/
-#     test_megatron.py, test_megatron_gpt.py and the Megatron tests of test_linear.py and
-#     test_exact_grad.py (other arguments replace that list). conftest.py imports xent from
+#     test_megatron.py, test_megatron_gpt.py and the Megatron tests of test_linear_one_rank.py
+#     and test_exact_grad.py (other arguments replace that list). conftest.py imports xent from
 #     python/ of this checkout; XENT_TORCH_LIB points it at the library (and xent._C) that
 #     step 3 installed.
 # Two runs on one VENV_DIR take turns (flock on VENV_DIR.lock).
@@ -141,8 +141,8 @@ tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
   tests=(tests/python/test_megatron.py
          tests/python/test_megatron_gpt.py
-         tests/python/test_linear.py::test_megatron_one_rank
-         tests/python/test_linear.py::test_megatron_patch_covers_the_linear_path_where_it_exists
+         tests/python/test_linear_one_rank.py::test_megatron_one_rank
+         tests/python/test_linear_one_rank.py::test_megatron_patch_covers_the_linear_path_where_it_exists
          tests/python/test_exact_grad.py::test_megatron_drop_in_is_rounded_once)
 fi
 versions=$("$vpy" -I - <<'EOF'

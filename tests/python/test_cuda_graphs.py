@@ -1,7 +1,7 @@
 """xent.linear_cross_entropy captured into CUDA graphs, forward and backward, the way training
 loops capture a step: warm-up on a side stream, then `torch.cuda.graph`, then replays with new
 inputs copied into the captured tensors; and `torch.compile(mode="reduce-overhead")`. Each replay
-is checked against float64 (test_linear.reference), with a grad_output that changes between
+is checked against float64 (linear_reference.reference), with a grad_output that changes between
 replays: equal to grad_scale (where an uncaptured fused backward keeps forward's gradients), a
 scalar, and one per token. Every schedule and grad mode; over two GPUs (NCCL), with and without
 sequence parallelism, where there are two. Skipped where there is no GPU.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ranks
-from test_linear import inputs, per_token, reference
+from linear_reference import inputs, per_token, reference
 from test_linear_cuda import excess
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")

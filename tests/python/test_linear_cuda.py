@@ -1,6 +1,6 @@
 """xent.linear_cross_entropy on CUDA tensors (the CUDA backend's fused lm head: cuBLASLt GEMMs in
 chunks), through `import xent`, against float64 F.cross_entropy of hidden @ weight.T (the
-reference of test_linear.py). Skipped where there is no GPU.
+reference of linear_reference.py). Skipped where there is no GPU.
 
 What it asserts:
   * the loss within float32 rounding of float64 (the logits are fp32 GEMM outputs);
@@ -15,8 +15,8 @@ What it asserts:
 import pytest
 import torch
 
+from linear_reference import H, IGNORE, VARIANTS, grad_output_for, inputs, reference, xent_call
 from test_exact_grad import NOISE_F32_ULPS, ulp
-from test_linear import H, IGNORE, VARIANTS, grad_output_for, inputs, reference, xent_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 
