@@ -19,9 +19,9 @@
 
 namespace xent::cpu {
 
-// The row kernels, once for the baseline instruction set (8 lanes as two 16-byte vectors) and
-// once for AVX2 (x86-64, GCC; native 32-byte vectors): the same lanes and operations, hence the
-// same bits (see kernels.inc).
+// The row kernels (with their 8-lane vectors, vec8.inc), once for the baseline instruction set
+// (8 lanes as two 16-byte vectors) and once for AVX2 (x86-64, GCC; native 32-byte vectors): the
+// same lanes and operations, hence the same bits (see vec8.inc).
 #define XENT_CPU_PAIRS 1
 namespace generic {
 #include "cpu/kernels.inc"
