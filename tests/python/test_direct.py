@@ -19,7 +19,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import xent
-from test_torch_op import BAD_INPUTS, DEVICES, IGNORE, V, bad_args, random_logits, random_target
+from op_problem import DEVICES, IGNORE, V, random_logits, random_target
+from test_torch_op_errors import BAD_INPUTS, bad_args
 
 needs_direct = pytest.mark.skipif(xent._direct is None,
                                   reason="xent._C not built (no Python headers at build time)")
