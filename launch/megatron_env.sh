@@ -21,10 +21,10 @@
 #     what changed); CUDA architectures $XENT_PIP_CUDA_ARCH (ctest sets its build's), else
 #     $XENT_CUDA_ARCH, else the GPU's, else 90.
 #  4. pytest in that environment, from the repository root: by default tests/python/
-#     test_megatron.py, test_megatron_gpt.py and the Megatron tests of test_linear_one_rank.py
-#     and test_exact_grad.py (other arguments replace that list). conftest.py imports xent from
-#     python/ of this checkout; XENT_TORCH_LIB points it at the library (and xent._C) that
-#     step 3 installed.
+#     test_megatron_functions.py, test_megatron_patch.py, test_megatron_gpt.py and the Megatron
+#     tests of test_linear_one_rank.py and test_exact_grad.py (other arguments replace that
+#     list). conftest.py imports xent from python/ of this checkout; XENT_TORCH_LIB points it at
+#     the library (and xent._C) that step 3 installed.
 # Two runs on one VENV_DIR take turns (flock on VENV_DIR.lock).
 set -euo pipefail
 source "$(dirname "$0")/deps.sh"  # XENT_ROOT, xent_say, xent_cuda_arch
@@ -139,7 +139,8 @@ xent_say "xent built and installed ($(elapsed) so far)"
 # 4. the tests
 tests=("$@")
 if [ ${#tests[@]} -eq 0 ]; then
-  tests=(tests/python/test_megatron.py
+  tests=(tests/python/test_megatron_functions.py
+         tests/python/test_megatron_patch.py
          tests/python/test_megatron_gpt.py
          tests/python/test_linear_one_rank.py::test_megatron_one_rank
          tests/python/test_linear_one_rank.py::test_megatron_patch_covers_the_linear_path_where_it_exists
