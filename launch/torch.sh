@@ -44,7 +44,7 @@ xent_torch_cmake_args() {
     xent_torch_say "pytest is not importable: installing it from PyPI (python3 -m pip install pytest)"
     python3 -m pip install pytest >&2 || xent_torch_say "pip could not install pytest: torch_python will fail"
   fi
-  # tests/python/test_megatron.py checks xent.megatron against Megatron-core itself: 0.16.1 here
+  # tests/python/test_megatron_*.py check xent.megatron against Megatron-core itself: 0.16.1 here
   # (ctest torch_python), 0.19.2 under Python 3.12 in a virtual environment of its own (ctest
   # torch_python_megatron_0_19, launch/megatron_env.sh).
   local mc_want=megatron-core==0.16.1 mc_have
@@ -60,8 +60,8 @@ print("megatron-core==" + md.version("megatron-core"))' 2>/dev/null)
       fi
     fi
   fi
-  # tests/python/test_transformers.py checks xent.transformers against the Transformers version it
-  # was written for; its tensor-parallel test needs accelerate (tp_plan requires it).
+  # tests/python/test_transformers_*.py check xent.transformers against the Transformers version
+  # it was written for; the tensor-parallel test needs accelerate (tp_plan requires it).
   local hf_tf=transformers==5.17.0 hf_acc=accelerate==1.15.0 hf_want hf_have
   hf_want="$hf_tf $hf_acc"
   hf_have=$(python3 -c 'import transformers, accelerate
@@ -70,8 +70,8 @@ print(f"transformers=={transformers.__version__} accelerate=={accelerate.__versi
     xent_torch_say "${hf_have:-transformers or accelerate is not importable}: installing $hf_want from PyPI (python3 -m pip install $hf_want)"
     if ! python3 -m pip install "$hf_tf" "$hf_acc" >&2; then
       if [ -z "$hf_have" ]; then
-        xent_torch_say "pip could not install $hf_want: tests/python/test_transformers.py skips without"
-        xent_torch_say "transformers, and its Trainer and tp_plan tests without accelerate"
+        xent_torch_say "pip could not install $hf_want: tests/python/test_transformers_*.py skip without"
+        xent_torch_say "transformers, and their Trainer and tp_plan tests without accelerate"
       else
         xent_torch_say "pip could not install $hf_want: the Transformers tests run with $hf_have"
       fi
