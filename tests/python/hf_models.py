@@ -16,7 +16,7 @@ import ranks
 import xent.transformers as xt
 from transformers import AutoConfig, AutoModelForCausalLM
 
-# initializer_range 0.3 (not 0.02): logits of a few units, so that the softmax is not flat and
+# initializer_range 0.1 (not 0.02): logits of a few units, so that the softmax is not flat and
 # Gemma's softcap of 3 bends them as a trained model's
 SIZES = dict(num_hidden_layers=2, hidden_size=64, vocab_size=256, intermediate_size=128,
              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
