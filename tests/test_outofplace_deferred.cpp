@@ -125,35 +125,25 @@ TEST(OutOfPlace, NoneAndFusedOverTheLogitsAreRefused) {
 }
 
 TEST(OutOfPlace, ShapeAndDtypeMismatchesAreRefused) {
-  {
+  struct Case {
+    void (*spoil)(xent::LogitsView&);
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](xent::LogitsView& g) { g.cols = 5; }, "grad.cols = 5: must equal logits.cols = 6"},
+      {[](xent::LogitsView& g) { g.rows = 3; }, "grad.rows = 3: must equal logits.rows = 4"},
+      {[](xent::LogitsView& g) { g.dtype = DType::bf16; },
+       "grad.dtype = bf16: must equal logits.dtype = f32"},
+      {[](xent::LogitsView& g) { g.row_stride = 5; },
+       "grad.row_stride = 5: must be >= grad.cols = 6"},
+      {[](xent::LogitsView& g) { g.data = nullptr; }, "grad.data is null"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.message);
     Misuse f;
     xent::LogitsView g = f.grad.view();
-    g.cols = 5;
-    EXPECT_THAT(f.error_with(g), HasSubstr("grad.cols = 5: must equal logits.cols = 6"));
-  }
-  {
-    Misuse f;
-    xent::LogitsView g = f.grad.view();
-    g.rows = 3;
-    EXPECT_THAT(f.error_with(g), HasSubstr("grad.rows = 3: must equal logits.rows = 4"));
-  }
-  {
-    Misuse f;
-    xent::LogitsView g = f.grad.view();
-    g.dtype = DType::bf16;
-    EXPECT_THAT(f.error_with(g), HasSubstr("grad.dtype = bf16: must equal logits.dtype = f32"));
-  }
-  {
-    Misuse f;
-    xent::LogitsView g = f.grad.view();
-    g.row_stride = 5;
-    EXPECT_THAT(f.error_with(g), HasSubstr("grad.row_stride = 5: must be >= grad.cols = 6"));
-  }
-  {
-    Misuse f;
-    xent::LogitsView g = f.grad.view();
-    g.data = nullptr;
-    EXPECT_THAT(f.error_with(g), HasSubstr("grad.data is null"));
+    c.spoil(g);
+    EXPECT_THAT(f.error_with(g), HasSubstr(c.message));
   }
   {
     Misuse f;  // the lse is still required
