@@ -40,20 +40,9 @@ BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
 
 needs_megatron = ranks.needs_megatron("function")
 
-_runs = {}  # backend -> (per-rank results, reports), for both test files
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """backend -> (per-rank results, reports): the ranks of each backend run once in a pytest
-    process, every case of both test files (ranks.fixture would run them once per file)."""
-    def get(backend):
-        if backend not in _runs:
-            _runs[backend] = ranks.launch(__file__, backend,
-                                          tmp_path_factory.mktemp(f"megatron_{backend}"), WORLD,
-                                          DEADLINE_S)
-        return _runs[backend]
-    return get
+# every case of both test files, the ranks of each backend launched once (ranks.fixture keeps
+# the runs with the fixture, which both files import)
+two_ranks = ranks.fixture(__file__, "megatron", WORLD, DEADLINE_S)
 
 
 def two_ranks_test(cases):

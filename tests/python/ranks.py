@@ -77,13 +77,15 @@ def expect_case(results, reports, case):
 
 def fixture(worker_file, name, world, deadline_s):
     """A module-scoped pytest fixture giving backend -> (per-rank results, reports), the ranks of
-    each backend run once: `two_ranks = ranks.fixture(__file__, "name", 2, 240)` in a test file."""
+    each backend run once: `two_ranks = ranks.fixture(__file__, "name", 2, 240)` in a test file.
+    The runs are kept with the fixture, so that test files that import one fixture (each gets a
+    module-scoped copy from pytest) share its ranks' run instead of launching them again."""
     import pytest
+
+    runs = {}
 
     @pytest.fixture(scope="module")
     def two_ranks(tmp_path_factory):
-        runs = {}
-
         def get(backend):
             if backend not in runs:
                 runs[backend] = launch(worker_file, backend,
