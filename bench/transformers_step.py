@@ -29,6 +29,8 @@ The liger rows are skipped on CPU, and say "not installed" without liger_kernel.
 
   step ms       median of --iters steps after --warmup, each alone between CUDA events
                 (synchronized before; time.perf_counter on CPU)
+  x transformers  step ms / the transformers row's, wherever --rows puts it (the rows run in
+                the order given, the table printed once a model's rows have all run)
   peak extra    one definition for every row: torch.cuda.max_memory_allocated() during one
                 step after warmup (after reset_peak_memory_stats) minus
                 torch.cuda.memory_allocated() just before it, the model and inputs present: the
@@ -236,7 +238,7 @@ def main():
     print("|---|---|---|---|---|---|---|", flush=True)
     results, notes = [], []
     for model in models:
-        base = None
+        done = []
         for row in rows:
             if row.startswith("liger") and not cuda:
                 res = dict(error="skipped on CPU")
@@ -244,21 +246,24 @@ def main():
                 res = dict(error="not installed")
             else:
                 res = spawn(args, model, row)
-            res = dict(model=model, row=row, **res)
-            results.append(res)
+            done.append(dict(model=model, row=row, **res))
+        results += done
+        # The transformers row, where it ran, is the reference for x and loss, wherever --rows
+        # puts it (a row's time depends on the card's state, so the order is the caller's).
+        ran = [res for res in done if not res.get("error")]
+        base = next((res for res in ran if res["row"] == "transformers"), ran[0] if ran else None)
+        for res in done:
             if res.get("error"):
-                print(f"| {model} | {row} | {res['error']} | | | | |", flush=True)
+                print(f"| {model} | {res['row']} | {res['error']} | | | | |", flush=True)
                 continue
-            if base is None:
-                base = res  # the transformers row where it ran: the reference for x and loss
             ratio = res["ms"] / base["ms"] if base["row"] == "transformers" else None
             res["ratio"] = ratio
-            print(f"| {model} | {row} | {res['ms']:.1f} | {fmt(ratio, '.2f')} | "
+            print(f"| {model} | {res['row']} | {res['ms']:.1f} | {fmt(ratio, '.2f')} | "
                   f"{fmt(res['extra_mib'], '.0f')} | {fmt(res['outside_mib'], '.0f')} | "
                   f"{res['loss']:.4f} |", flush=True)
             rel = abs(res["loss"] - base["loss"]) / abs(base["loss"])
             if rel > 1e-2:
-                notes.append(f"WARNING: {model} {row}: loss {res['loss']:.5f} differs from "
+                notes.append(f"WARNING: {model} {res['row']}: loss {res['loss']:.5f} differs from "
                              f"{base['row']}'s {base['loss']:.5f} by {rel:.1e} relative (> 1e-2)")
         if base is not None:
             env["device"] = base["device"]  # the parent never touches the GPU
