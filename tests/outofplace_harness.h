@@ -33,12 +33,13 @@ inline HostLogits blank_like(const HostLogits& like, int64_t stride, double fill
 }
 
 // One forward on `buf` (deferred, or fused with its gradient in `grad`, or over the logits where
-// grad is null), then lse for the backward.
+// grad is null), then lse for the backward. The view overload serves tests that lay the logits
+// out in a buffer of their own.
 struct Forward {
   xent::Group g = xent::Group::local(xent::Backend::cpu);
   xent::Options opt;
   std::vector<float> loss, lse;
-  void forward(HostLogits& buf, const HostTargets& tg,
+  void forward(const xent::LogitsView& buf, const HostTargets& tg,
                xent::GradMode mode = xent::GradMode::deferred, HostLogits* grad = nullptr) {
     opt.grad_mode = mode;
     loss.assign(opt.reduction == xent::Reduction::none ? std::max<int64_t>(1, buf.rows) : 1, 0.0f);
@@ -47,7 +48,11 @@ struct Forward {
     out.loss = loss.data();
     out.lse = lse.data();
     if (grad != nullptr) out.grad = grad->view();
-    xent::forward(g, buf.view(), tg.view(), opt, out);
+    xent::forward(g, buf, tg.view(), opt, out);
+  }
+  void forward(HostLogits& buf, const HostTargets& tg,
+               xent::GradMode mode = xent::GradMode::deferred, HostLogits* grad = nullptr) {
+    forward(buf.view(), tg, mode, grad);
   }
 };
 

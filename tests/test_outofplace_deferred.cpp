@@ -170,13 +170,7 @@ TEST(OutOfPlace, PartialOverlapIsRefused) {
   lv.row_stride = V;
   const xtest::HostTargets tg(t, IndexType::i64);
   Forward d;
-  d.opt.grad_mode = GradMode::deferred;
-  d.loss.assign(1, 0.0f);
-  d.lse.assign(N, 0.0f);
-  xent::Outputs out;
-  out.loss = d.loss.data();
-  out.lse = d.lse.data();
-  xent::forward(d.g, lv, tg.view(), d.opt, out);
+  d.forward(lv, tg);
 
   auto refuse = [&](xent::LogitsView g, const char* what) {
     SCOPED_TRACE(what);
@@ -224,13 +218,7 @@ TEST(OutOfPlace, AdjacentBuffersAreDisjoint) {
   xent::LogitsView gv{buf.data() + N * V, DType::f32, N, V, V};
   const xtest::HostTargets tg(t, IndexType::i64);
   Forward d;
-  d.opt.grad_mode = GradMode::deferred;
-  d.loss.assign(1, 0.0f);
-  d.lse.assign(N, 0.0f);
-  xent::Outputs out;
-  out.loss = d.loss.data();
-  out.lse = d.lse.data();
-  xent::forward(d.g, lv, tg.view(), d.opt, out);
+  d.forward(lv, tg);
   xent::backward(d.g, lv, gv, tg.view(), d.lse.data(), nullptr, d.opt);
   for (int64_t i = 0; i < N * V; ++i) ASSERT_EQ(buf[i], static_cast<float>(x.v[i]));
   // And the other way round: the gradient first, then the logits.
