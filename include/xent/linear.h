@@ -41,14 +41,13 @@ const char* to_string(LinearSchedule s);
 // Which GEMMs make the logits (docs/linear.md, "GEMM engines"):
 //   cublaslt: cuBLASLt writes fp32 logits, and the logits path's kernels read them back (every
 //         CUDA build and device; the CPU backend's BLAS is named so too);
-//   epilogue: the lean sweep's logits GEMM is xent's own for sm_90a (CUTLASS), whose epilogue
-//         writes the chunk's 16-bit gradient from its fp32 accumulators, so that the sweep's
-//         fp32 logits never exist: the lean schedule with gradients, bf16 inputs, a build with
-//         the kernel (CUTLASS's headers found, sm_90 among its architectures), an H100 or H200,
-//         rows of hidden and weight 16-byte aligned;
+//   epilogue: lean's logits GEMMs are xent's own for sm_90a (CUTLASS), whose epilogues work on
+//         the fp32 accumulators: the forward's writes their statistics, the sweep's the chunk's
+//         16-bit gradient, and neither writes fp32 logits. The lean schedule with gradients,
+//         bf16 inputs, a build with the kernels (CUTLASS's headers found, sm_90 among its
+//         architectures), an H100 or H200, rows of hidden and weight 16-byte aligned;
 //   automatic: epilogue where every rank can run it and the plan takes lean, else cublaslt.
-// Forward's logits GEMM and the d_weight and d_hidden GEMMs are cuBLASLt's on either (forward's
-// statistics in an epilogue measured slower: docs/linear.md).
+// The d_weight and d_hidden GEMMs are cuBLASLt's on either, and so are fast's.
 enum class LinearGemm { automatic, cublaslt, epilogue };
 const char* to_string(LinearGemm g);
 
