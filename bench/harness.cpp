@@ -82,20 +82,24 @@ double time_alone(Device& dev, const Step& step, int warmup, int iters) {
 
 // Forward + backward on the buffer as it is, between marks around each call: back to back
 // (means), or each step alone from an idle device, the ranks starting together (medians): what
-// the host's latency costs a training step that reaches its loss with the GPU waiting.
+// the host's latency costs a training step that reaches its loss with the GPU waiting. With a
+// baseline (--interleave), it runs before each step, warm-up included, timed between marks of its
+// own (its mean into r.gemm3_ms): the two alternate in one power and thermal state.
 template <class Op>
-void time_steps(const Settings& s, Device& dev, Op& op, Result& r) {
+void time_steps(const Settings& s, Device& dev, Op& op, Result& r, const Step& baseline = {}) {
   const Step fwd = [&op] { op.forward(); }, bwd = [&op] { op.backward(); };
   const GraphExec gf = s.graph ? capture(dev, fwd) : GraphExec(nullptr, cudaGraphExecDestroy);
   const GraphExec gb = s.graph ? capture(dev, bwd) : GraphExec(nullptr, cudaGraphExecDestroy);
   const Step run_fwd = replayed(dev, fwd, gf), run_bwd = replayed(dev, bwd, gb);
   for (int i = 0; i < s.warmup; ++i) {
+    if (baseline) baseline();
     run_fwd();
     run_bwd();
   }
   // Marks k * i, k * i + 1 and k * i + 2 around step i; back to back, a step starts at the
-  // previous one's end.
-  const int iters = s.iters, k = s.idle ? 3 : 2;
+  // previous one's end. With a baseline (k = 3), it runs between marks k * i and k * i + 1, and
+  // step i between k * i + 1 and k * i + 3.
+  const int iters = s.iters, k = s.idle || baseline ? 3 : 2, b = baseline ? 1 : 0;
   dev.marks(k * iters + (s.idle ? 0 : 1));
   dev.sync();
   for (int i = 0; i < iters; ++i) {
@@ -103,29 +107,43 @@ void time_steps(const Settings& s, Device& dev, Op& op, Result& r) {
       dev.sync();
       start_together();
     }
-    if (s.idle || i == 0) dev.mark(k * i);
+    if (baseline) {
+      if (i == 0) dev.mark(k * i + b - 1);  // later: the previous step's end
+      baseline();
+    }
+    if (s.idle || baseline || i == 0) dev.mark(k * i + b);
     run_fwd();
-    dev.mark(k * i + 1);
+    dev.mark(k * i + b + 1);
     run_bwd();
-    dev.mark(k * i + 2);
+    dev.mark(k * i + b + 2);
   }
   dev.sync();
   op.check_errors();
-  std::vector<double> f(iters), b(iters), t(iters);
+  std::vector<double> f(iters), bw(iters), t(iters);
   for (int i = 0; i < iters; ++i) {
-    f[i] = dev.ms(k * i, k * i + 1);
-    b[i] = dev.ms(k * i + 1, k * i + 2);
-    t[i] = dev.ms(k * i, k * i + 2);
+    f[i] = dev.ms(k * i + b, k * i + b + 1);
+    bw[i] = dev.ms(k * i + b + 1, k * i + b + 2);
+    t[i] = dev.ms(k * i + b, k * i + b + 2);
+  }
+  if (baseline) {
+    r.gemm3_ms = 0.0;
+    for (int i = 0; i < iters; ++i) {
+      r.gemm3_ms += dev.ms(k * i, k * i + 1) / iters;
+      r.fwd_ms += f[i] / iters;
+      r.bwd_ms += bw[i] / iters;
+      r.total_ms += t[i] / iters;
+    }
+    return;
   }
   if (s.idle) {
     r.fwd_ms = median(f);
-    r.bwd_ms = median(b);
+    r.bwd_ms = median(bw);
     r.total_ms = median(t);
     return;
   }
   for (int i = 0; i < iters; ++i) {
     r.fwd_ms += f[i] / iters;
-    r.bwd_ms += b[i] / iters;
+    r.bwd_ms += bw[i] / iters;
   }
   r.total_ms = dev.ms(0, 2 * iters) / iters;
 }
@@ -158,7 +176,14 @@ void time_baseline(const Settings& s, Device& dev, Operation& op, Result& r) {
 }
 void time_baseline(const Settings& s, Device& dev, LinearOperation& op, Result& r) {
   const Step gemm3 = op.gemm3();
-  if (gemm3) r.gemm3_ms = time_alone(dev, gemm3, std::max(2, s.warmup), s.iters);
+  if (gemm3 && !s.interleave) r.gemm3_ms = time_alone(dev, gemm3, std::max(2, s.warmup), s.iters);
+}
+// What runs before each step (--interleave), else nothing.
+Step interleaved(const Settings&, Operation&) {
+  return {};
+}
+Step interleaved(const Settings& s, LinearOperation& op) {
+  return s.interleave ? op.gemm3() : Step{};
 }
 void describe_row(const Settings& s, Operation& op, Result& r) {
   r.path = op.path();
@@ -201,7 +226,7 @@ std::vector<Result> sweep(const Settings& s, const Env& env, Device& dev, Op& op
       describe_row(s, op, r);
       if (s.check) r.wrong = op.verify();
       progress(mode, true);
-      time_steps(s, dev, op, r);
+      time_steps(s, dev, op, r, interleaved(s, op));
       slowest_rank(r, op.extra_bytes());
       rows.push_back(r);
     }

@@ -293,6 +293,18 @@ const std::vector<Option>& option_table() {
          r.s.gemm = v->value;
        },
        [](const Settings& s, json& c) { c["gemm"] = s.gemm; }},
+      {"interleave", "--interleave", nullptr,
+       "--hidden: time gemm3 once before each step (alternating, means of each) instead of all of "
+       "its calls before the steps, so that both run in the same power and thermal state (a "
+       "power-capped GPU runs whatever it times first faster)",
+       true,
+       [](Resolve& r, const Source* v) {
+         if (v) r.s.interleave = to_bool(*v);
+         if (!r.s.interleave) return;
+         if (r.s.hidden == 0) refuse(*v, "only with --hidden (gemm3 is the fused lm head's)");
+         if (r.s.idle) refuse(*v, "not with --idle (each step there starts from an idle device)");
+       },
+       [](const Settings& s, json& c) { c["interleave"] = s.interleave; }},
       {"chunk_rows", "--chunk-rows", "N",
        "--hidden: LinearOptions::chunk_rows (fast: rows per chunk; lean: rows per block of fp32 "
        "logits); 0: the plan's",

@@ -42,6 +42,7 @@ struct Settings {
   int64_t scratch_mib = 0;        // --hidden: LinearOptions::max_scratch_bytes in MiB (0: default)
   std::string schedule = "auto";  // --hidden: LinearOptions::schedule (auto, fast, lean)
   std::string gemm = "auto";      // --hidden: LinearOptions::gemm (auto, cublaslt, epilogue)
+  bool interleave = false;        // --hidden: gemm3 timed before each step (else before them all)
   int64_t chunk_rows = 0;         // --hidden: LinearOptions::chunk_rows (0: the plan's)
   int64_t chunk_cols = 0;         // --hidden: LinearOptions::chunk_cols (0: the plan's)
   uint64_t seed = 1;

@@ -137,12 +137,13 @@ void print_header(const Settings& s, const Env& env, int64_t width) {
                 "] in %s; gradients for grad_output = grad_scale %g (fused), %g (deferred)\n",
                 s.hidden, s.hidden, s.hidden, dtype_name(s.dtype), s.grad_scale, s.grad_output);
     std::printf(
-        "# gemm3: logits = hidden W^T, d_hidden = G W, d_weight = G^T hidden alone (%s)%s; x "
-        "gemm3: total / gemm3\n",
+        "# gemm3: logits = hidden W^T, d_hidden = G W, d_weight = G^T hidden alone (%s)%s, %s; "
+        "x gemm3: total / gemm3\n",
         s.device == "cuda" ? "cublasGemmEx, fp32 compute" : "cblas_sgemm on fp32 copies",
         s.device == "cuda" && env.ranks > 1
             ? ", then d_hidden summed over the ranks (an all-reduce of its bytes)"
-            : "");
+            : "",
+        s.interleave ? "timed once before each step (--interleave)" : "timed before the steps");
     std::printf(
         "# x floor: total / (gemm3 + 8 bytes a logit at the copy bandwidth), the floor of an exact "
         "step: fp32 logits written, read once, their gradient written\n");
