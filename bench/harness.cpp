@@ -109,7 +109,7 @@ void time_steps(const Settings& s, Device& dev, Op& op, Result& r, const Step& b
       start_together();
     }
     if (baseline) {
-      if (i == 0) dev.mark(k * i + b - 1);  // later: the previous step's end
+      if (i == 0) dev.mark(0);  // later: the previous step's end
       baseline();
     }
     if (s.idle || baseline || i == 0) dev.mark(k * i + b);
@@ -126,16 +126,6 @@ void time_steps(const Settings& s, Device& dev, Op& op, Result& r, const Step& b
     bw[i] = dev.ms(k * i + b + 1, k * i + b + 2);
     t[i] = dev.ms(k * i + b, k * i + b + 2);
   }
-  if (baseline) {
-    r.gemm3_ms = 0.0;
-    for (int i = 0; i < iters; ++i) {
-      r.gemm3_ms += dev.ms(k * i, k * i + 1) / iters;
-      r.fwd_ms += f[i] / iters;
-      r.bwd_ms += bw[i] / iters;
-      r.total_ms += t[i] / iters;
-    }
-    return;
-  }
   if (s.idle) {
     r.fwd_ms = median(f);
     r.bwd_ms = median(bw);
@@ -146,7 +136,15 @@ void time_steps(const Settings& s, Device& dev, Op& op, Result& r, const Step& b
     r.fwd_ms += f[i] / iters;
     r.bwd_ms += bw[i] / iters;
   }
-  r.total_ms = dev.ms(0, 2 * iters) / iters;
+  if (!baseline) {
+    r.total_ms = dev.ms(0, 2 * iters) / iters;
+    return;
+  }
+  r.gemm3_ms = 0.0;
+  for (int i = 0; i < iters; ++i) {
+    r.gemm3_ms += dev.ms(k * i, k * i + 1) / iters;
+    r.total_ms += t[i] / iters;
+  }
 }
 
 // The slowest rank's times and memory, as nccl-tests reports them; the wrong values of all ranks.
